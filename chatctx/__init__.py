@@ -1,0 +1,1 @@
+"""chatctx: chatbot context and KV-cache management for llama.cpp."""

@@ -1,0 +1,89 @@
+"""Settings as pydantic models; environment variables use the ``CHATCTX_`` prefix."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from chatctx.errors import ConfigError
+
+__all__ = ["EngineConfig", "GenerationSettings", "Settings", "default_home"]
+
+KVType = Literal["f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GenerationSettings(_Model):
+    """How replies are sampled; stored with each conversation."""
+
+    max_tokens: int = Field(256, ge=1, description="Most tokens one reply may have.")
+    temperature: float = Field(0.7, ge=0.0, description="0 means greedy decoding.")
+    top_k: int = Field(40, ge=0, description="Keep the k most likely tokens (0 = off).")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    min_p: float = Field(0.05, ge=0.0, le=1.0, description="Drop tokens below min_p x best.")
+    repeat_penalty: float = Field(1.1, ge=0.0, description="Penalty for repeated tokens.")
+    repeat_last_n: int = Field(64, ge=0, description="Window for the repeat penalty.")
+    seed: int | None = Field(None, ge=0, description="Sampling seed; None = random.")
+
+
+class EngineConfig(_Model):
+    """How a GGUF is loaded into llama.cpp."""
+
+    model_path: Path = Field(description="Path to a GGUF model file.")
+    n_ctx: int = Field(4096, ge=64, description="Context size in tokens (rounded up to 256).")
+    n_batch: int = Field(512, ge=1, description="Most tokens submitted to one decode call.")
+    n_ubatch: int = Field(512, ge=1, description="Physical micro-batch size.")
+    n_seq_max: int = Field(1, ge=1, le=64, description="Sequences (KV streams) in the context.")
+    kv_unified: bool = Field(True, description="All sequences share one KV buffer of n_ctx.")
+    n_gpu_layers: int = Field(-1, ge=-1, description="Layers offloaded to the GPU (-1 = all).")
+    flash_attn: bool | None = Field(None, description="Flash attention; None = llama.cpp auto.")
+    type_k: KVType = Field("f16", description="KV cache type for keys.")
+    type_v: KVType = Field("f16", description="KV cache type for values (quantized needs FA).")
+    n_threads: int | None = Field(None, ge=1, description="CPU threads; None = all cores.")
+    chat_format: Literal["llama-3", "chatml"] | None = Field(
+        None, description="Built-in chat format to use when the GGUF has no chat template."
+    )
+    chat_template: str | None = Field(
+        None, description="Jinja chat template overriding the GGUF's own."
+    )
+
+
+def default_home() -> Path:
+    """Where chatctx keeps its database and model cache (``CHATCTX_HOME``)."""
+    home = os.environ.get("CHATCTX_HOME")
+    if home:
+        return Path(home).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "chatctx"
+
+
+class Settings(_Model):
+    """Application settings, read from ``CHATCTX_*`` environment variables."""
+
+    db: str = Field(description="SQLAlchemy URL of the conversation store (CHATCTX_DB).")
+    model: Path | None = Field(None, description="GGUF to use; None = embedded default.")
+    n_ctx: int = Field(4096, ge=64, description="Context size in tokens (CHATCTX_N_CTX).")
+    n_gpu_layers: int = Field(-1, ge=-1, description="GPU layers (CHATCTX_N_GPU_LAYERS).")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from ``CHATCTX_*`` variables, with defaults for the rest."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {
+            "db": env.get("CHATCTX_DB") or f"sqlite:///{default_home() / 'chatctx.db'}"
+        }
+        for key in ("model", "n_ctx", "n_gpu_layers"):
+            raw = env.get(f"CHATCTX_{key.upper()}")
+            if raw:
+                values[key] = raw
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid CHATCTX_* environment setting: {exc}") from exc

@@ -1,0 +1,30 @@
+"""llama.cpp engine: model loading, chat templates, KV sequences, generation."""
+
+from chatctx.engine._engine import (
+    Engine,
+    Generation,
+    GenerationResult,
+    ModelInfo,
+    Timings,
+    Usage,
+    common_prefix,
+)
+from chatctx.engine._gguf import model_facts, read_metadata
+from chatctx.engine._models import default_model_path, resolve_model_path
+from chatctx.engine._template import BUILTIN_FORMATS, ChatTemplate
+
+__all__ = [
+    "BUILTIN_FORMATS",
+    "ChatTemplate",
+    "Engine",
+    "Generation",
+    "GenerationResult",
+    "ModelInfo",
+    "Timings",
+    "Usage",
+    "common_prefix",
+    "default_model_path",
+    "model_facts",
+    "read_metadata",
+    "resolve_model_path",
+]

@@ -1,0 +1,348 @@
+"""Resource-owning wrappers over llama-cpp-python's ctypes bindings.
+
+This is the only module that calls llama.cpp directly, and the one place its failures become
+chatctx errors. Every native resource is released by ``close()`` / a ``with`` block, never by
+``__del__``; a context is always freed before its model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import llama_cpp.llama_cpp as ll
+
+from chatctx.errors import GenerationError, KVCacheError, ModelError
+
+logger = logging.getLogger("chatctx.llama")
+
+# ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continue previous line
+_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING,
+           4: logging.ERROR}
+# llama.cpp reports why a load failed only through its log: keep the last error lines.
+_recent_errors: deque[str] = deque(maxlen=8)
+_last_level = logging.DEBUG
+_init_lock = threading.Lock()
+_initialized = False
+
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+            "bf16": 30}
+
+
+@ll.llama_log_callback  # type: ignore[untyped-decorator]
+def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    global _last_level
+    py_level = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
+    _last_level = py_level
+    message = text.decode("utf-8", errors="replace").rstrip()
+    if not message:
+        return
+    if py_level >= logging.ERROR:
+        _recent_errors.append(message)
+    if logger.isEnabledFor(py_level):
+        logger.log(py_level, "%s", message)
+
+
+def init_backend() -> None:
+    """Route llama.cpp's log into ``logging`` and initialise the backend, once per process."""
+    global _initialized
+    with _init_lock:
+        if _initialized:
+            return
+        ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        _initialized = True
+
+
+def supports_gpu_offload() -> bool:
+    return bool(ll.llama_supports_gpu_offload())
+
+
+def _recent_error_text() -> str:
+    text = "; ".join(_recent_errors)
+    _recent_errors.clear()
+    return f" (llama.cpp: {text})" if text else ""
+
+
+class NativeModel:
+    """A loaded GGUF (``llama_model``) and its vocabulary."""
+
+    def __init__(self, path: Path, *, n_gpu_layers: int = -1, vocab_only: bool = False) -> None:
+        init_backend()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
+        params.vocab_only = vocab_only
+        _recent_errors.clear()
+        ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not ptr:
+            raise ModelError(f"llama.cpp could not load {path}{_recent_error_text()}",
+                             path=str(path))
+        self.ptr: Any = ptr
+        self.vocab: Any = ll.llama_model_get_vocab(ptr)
+        self.path = path
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        raw = ll.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8") if raw else None
+
+    def describe(self) -> dict[str, Any]:
+        desc = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self.ptr, desc, len(desc))
+        return {
+            "description": desc.value.decode("utf-8", errors="replace"),
+            "n_params": int(ll.llama_model_n_params(self.ptr)),
+            "size_bytes": int(ll.llama_model_size(self.ptr)),
+            "n_ctx_train": int(ll.llama_model_n_ctx_train(self.ptr)),
+            "n_layer": int(ll.llama_model_n_layer(self.ptr)),
+            "n_embd": int(ll.llama_model_n_embd(self.ptr)),
+            "n_head": int(ll.llama_model_n_head(self.ptr)),
+            "n_head_kv": int(ll.llama_model_n_head_kv(self.ptr)),
+            "n_vocab": int(ll.llama_vocab_n_tokens(self.vocab)),
+        }
+
+    # vocabulary ----------------------------------------------------------------------------
+
+    @property
+    def bos(self) -> int:
+        return int(ll.llama_vocab_bos(self.vocab))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(ll.llama_vocab_get_add_bos(self.vocab))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    def token_text(self, token: int) -> str:
+        raw = ll.llama_vocab_get_text(self.vocab, token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (ll.llama_token * capacity)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special,
+                              parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (ll.llama_token * capacity)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special,
+                                  parse_special)
+        if n < 0:
+            raise ModelError(f"tokenization failed ({n})", path=str(self.path))
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return b"".join(self.piece(t, special=special) for t in tokens).decode(
+            "utf-8", errors="replace")
+
+
+def _check_decode(code: int, *, seq_id: int, n_tokens: int) -> None:
+    """Translate ``llama_decode``'s return code; 0 is success."""
+    if code == 0:
+        return
+    if code == 1:
+        raise KVCacheError(
+            f"no KV cache slot for {n_tokens} tokens of sequence {seq_id}: the context is full",
+            seq_id=seq_id, n_tokens=n_tokens, code=code)
+    if code == 2:
+        raise GenerationError("decoding was aborted", code=code)
+    if code == -1:
+        raise GenerationError(f"llama.cpp rejected the batch as invalid{_recent_error_text()}",
+                              code=code)
+    raise GenerationError(f"llama_decode failed with code {code}{_recent_error_text()}",
+                          code=code)
+
+
+class NativeContext:
+    """A ``llama_context`` (the KV cache) with one reusable batch."""
+
+    def __init__(
+        self,
+        model: NativeModel,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        n_ubatch: int,
+        n_seq_max: int,
+        kv_unified: bool,
+        flash_attn: bool | None,
+        type_k: str,
+        type_v: str,
+        n_threads: int | None,
+    ) -> None:
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch, n_batch)
+        params.n_seq_max = n_seq_max
+        params.kv_unified = kv_unified
+        params.flash_attn_type = {None: -1, True: 1, False: 0}[flash_attn]
+        params.type_k = KV_TYPES[type_k]
+        params.type_v = KV_TYPES[type_v]
+        threads = n_threads or os.cpu_count() or 1
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.no_perf = True
+        _recent_errors.clear()
+        ptr = ll.llama_init_from_model(model.ptr, params)
+        if not ptr:
+            hint = ""
+            if type_v != "f16" and flash_attn is False:
+                hint = " (a quantized V cache needs flash_attn)"
+            raise ModelError(f"failed to create the llama.cpp context{hint}"
+                             f"{_recent_error_text()}", path=str(model.path))
+        self.ptr: Any = ptr
+        self.model = model
+        self.memory: Any = ll.llama_get_memory(ptr)
+        self.n_batch = n_batch
+        self.n_seq_max = n_seq_max
+        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._batch_live = True
+
+    @property
+    def n_ctx(self) -> int:
+        return int(ll.llama_n_ctx(self.ptr))
+
+    @property
+    def n_ctx_seq(self) -> int:
+        return int(ll.llama_n_ctx_seq(self.ptr))
+
+    def close(self) -> None:
+        if self._batch_live:
+            ll.llama_batch_free(self._batch)
+            self._batch_live = False
+        if self.ptr is not None:
+            ll.llama_free(self.ptr)
+            self.ptr = None
+
+    # KV cache ------------------------------------------------------------------------------
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return int(ll.llama_memory_seq_pos_min(self.memory, seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        if not ll.llama_memory_seq_rm(self.memory, seq_id, p0, p1):
+            raise KVCacheError(f"llama.cpp refused to remove positions [{p0}, {p1}) of "
+                               f"sequence {seq_id}", seq_id=seq_id, n_tokens=0, code=-1)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        ll.llama_memory_seq_add(self.memory, seq_id, p0, p1, delta)
+
+    def can_shift(self) -> bool:
+        return bool(ll.llama_memory_can_shift(self.memory))
+
+    def clear(self) -> None:
+        ll.llama_memory_clear(self.memory, True)
+
+    # decoding ------------------------------------------------------------------------------
+
+    def decode(self, seq_id: int, tokens: Sequence[int], start_pos: int, *,
+               want_last_logits: bool) -> int:
+        """Evaluate ``tokens`` at positions ``start_pos...`` of ``seq_id``.
+
+        Returns the batch index holding the last token's logits (for sampling), or -1.
+        """
+        if not 0 <= seq_id < self.n_seq_max:
+            raise GenerationError(f"sequence {seq_id} outside 0..{self.n_seq_max - 1}")
+        if not tokens:
+            return -1
+        batch = self._batch
+        index = -1
+        for offset in range(0, len(tokens), self.n_batch):
+            chunk = tokens[offset:offset + self.n_batch]
+            last_chunk = offset + self.n_batch >= len(tokens)
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = start_pos + offset + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq_id
+                batch.logits[i] = 0
+            if last_chunk and want_last_logits:
+                batch.logits[len(chunk) - 1] = 1
+                index = len(chunk) - 1
+            batch.n_tokens = len(chunk)
+            _check_decode(ll.llama_decode(self.ptr, batch), seq_id=seq_id, n_tokens=len(chunk))
+        return index
+
+    def logits(self, index: int) -> list[float]:
+        ptr = ll.llama_get_logits_ith(self.ptr, index)
+        if not ptr:
+            raise GenerationError(f"no logits at batch index {index}")
+        n_vocab = int(ll.llama_vocab_n_tokens(self.model.vocab))
+        return list(ptr[:n_vocab])
+
+
+class Sampler:
+    """A llama.cpp sampler chain (one per generation, so random state never interleaves)."""
+
+    def __init__(self, model: NativeModel, *, temperature: float, top_k: int, top_p: float,
+                 min_p: float, repeat_penalty: float, repeat_last_n: int,
+                 seed: int | None) -> None:
+        self.ptr: Any = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        add = ll.llama_sampler_chain_add
+        if repeat_penalty != 1.0 and repeat_last_n > 0:
+            n_vocab = int(ll.llama_vocab_n_tokens(model.vocab))
+            add(self.ptr, ll.llama_sampler_init_penalties(n_vocab, repeat_last_n, repeat_penalty,
+                                                          0.0, 0.0))
+        if temperature <= 0:
+            add(self.ptr, ll.llama_sampler_init_greedy())
+            return
+        if top_k > 0:
+            add(self.ptr, ll.llama_sampler_init_top_k(top_k))
+        add(self.ptr, ll.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0:
+            add(self.ptr, ll.llama_sampler_init_min_p(min_p, 1))
+        add(self.ptr, ll.llama_sampler_init_temp(temperature))
+        add(self.ptr, ll.llama_sampler_init_dist(ll.LLAMA_DEFAULT_SEED if seed is None else seed))
+
+    def sample(self, context: NativeContext, index: int) -> int:
+        # A bad index aborts the process inside llama.cpp: check it here first.
+        if index < 0 or not ll.llama_get_logits_ith(context.ptr, index):
+            raise GenerationError(f"no logits at batch index {index}")
+        return int(ll.llama_sampler_sample(self.ptr, context.ptr, index))
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            ll.llama_sampler_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self) -> Sampler:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

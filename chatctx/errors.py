@@ -1,0 +1,96 @@
+"""chatctx's one error tree.
+
+::
+
+    ChatctxError
+    ├── ConfigError            bad settings, unknown option values
+    ├── StoreError             database problems
+    │   ├── ConversationNotFound
+    │   └── ImportFormatError  a malformed JSON Lines record (carries the line number)
+    ├── ModelError             missing/invalid GGUF, no chat template, load failure
+    ├── ContextBudgetError     the prompt cannot fit the token budget
+    ├── KVCacheError           llama.cpp found no KV slot or rejected a KV operation
+    └── GenerationError        decoding failed or was aborted
+
+Third-party errors are translated where they are raised (``engine/_native.py`` for llama.cpp,
+``store/_db.py`` for SQLAlchemy), always ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChatctxError",
+    "ConfigError",
+    "ContextBudgetError",
+    "ConversationNotFound",
+    "GenerationError",
+    "ImportFormatError",
+    "KVCacheError",
+    "ModelError",
+    "StoreError",
+]
+
+
+class ChatctxError(Exception):
+    """Base class of every error chatctx raises."""
+
+
+class ConfigError(ChatctxError):
+    """A setting is missing or invalid."""
+
+
+class StoreError(ChatctxError):
+    """The conversation store failed."""
+
+
+class ConversationNotFound(StoreError):
+    """No conversation has this id."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"no conversation with id {conversation_id!r}")
+        self.conversation_id = conversation_id
+
+
+class ImportFormatError(StoreError):
+    """A JSON Lines record could not be read; ``line`` is 1-based."""
+
+    def __init__(self, message: str, *, line: int, source: str = "<input>") -> None:
+        super().__init__(f"{source}:{line}: {message}")
+        self.line = line
+        self.source = source
+
+
+class ModelError(ChatctxError):
+    """The model file is missing, invalid, or lacks what chatctx needs."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ContextBudgetError(ChatctxError):
+    """The prompt does not fit the token budget; nothing was sent or stored."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, budget: int, n_ctx: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.budget = budget
+        self.n_ctx = n_ctx
+
+
+class KVCacheError(ChatctxError):
+    """llama.cpp could not place tokens in the KV cache (decode returned 1)."""
+
+    def __init__(self, message: str, *, seq_id: int, n_tokens: int, code: int) -> None:
+        super().__init__(message)
+        self.seq_id = seq_id
+        self.n_tokens = n_tokens
+        self.code = code
+
+
+class GenerationError(ChatctxError):
+    """Decoding failed (invalid batch, abort, or a fatal llama.cpp error)."""
+
+    def __init__(self, message: str, *, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,326 @@
+"""The conversation store: any SQLAlchemy URL, SQLite tuned for several processes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from chatctx.errors import ConversationNotFound, StoreError
+from chatctx.store import _migrate
+from chatctx.store._models import ConversationRow, MessageRow, TurnRow, utcnow
+from chatctx.store._records import ROLES, Conversation, Message, Turn
+
+BUSY_TIMEOUT_MS = 10_000
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any, *, wal: bool) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    if wal:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def create_db_engine(url: str) -> Engine:
+    """An Engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise StoreError(f"not a database URL: {url!r}") from exc
+    kwargs: dict[str, Any] = {}
+    is_sqlite = parsed.get_backend_name() == "sqlite"
+    in_memory = is_sqlite and parsed.database in (None, "", ":memory:")
+    if in_memory:
+        # One shared connection, or each checkout would see a different empty database.
+        kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
+    elif is_sqlite and parsed.database:
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        kwargs["connect_args"] = {"timeout": BUSY_TIMEOUT_MS / 1000}
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except (SQLAlchemyError, ImportError) as exc:
+        raise StoreError(f"cannot open database {url!r}: {exc}") from exc
+    if is_sqlite:
+        wal = not in_memory
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, record: Any) -> None:
+            _sqlite_pragmas(dbapi_connection, record, wal=wal)
+
+    return engine
+
+
+def _message(row: MessageRow) -> Message:
+    return Message(
+        id=row.id,
+        conversation_id=row.conversation_id,
+        position=row.position,
+        role=row.role,
+        content=row.content,
+        status=row.status,
+        name=row.name,
+        tool_call_id=row.tool_call_id,
+        tool_calls=row.tool_calls,
+        created_at=row.created_at,
+    )
+
+
+def _conversation(row: ConversationRow, count: int = 0) -> Conversation:
+    return Conversation(
+        id=row.id,
+        title=row.title,
+        system_prompt=row.system_prompt,
+        settings=dict(row.settings or {}),
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        message_count=count,
+    )
+
+
+def _turn(row: TurnRow) -> Turn:
+    return Turn(**{name: getattr(row, name) for name in Turn.__dataclass_fields__})
+
+
+class Store:
+    """Conversations, messages, summaries and per-turn figures in one database.
+
+    Opening a store upgrades its schema to the newest migration. Use as a context manager.
+    """
+
+    def __init__(self, url: str, *, upgrade: bool = True) -> None:
+        self.url = url
+        self.engine = create_db_engine(url)
+        try:
+            if upgrade:
+                _migrate.upgrade(self.engine)
+        except SQLAlchemyError as exc:
+            self.engine.dispose()
+            raise StoreError(f"cannot upgrade database {url!r}: {exc}") from exc
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except SQLAlchemyError as exc:
+            session.rollback()
+            raise StoreError(f"database error: {exc}") from exc
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    # conversations -------------------------------------------------------------------------
+
+    def create_conversation(
+        self,
+        conversation_id: str | None = None,
+        *,
+        title: str | None = None,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Conversation:
+        """Create a conversation; an id is generated when none is given."""
+        cid = conversation_id or uuid.uuid4().hex[:12]
+        with self._session() as session:
+            if session.get(ConversationRow, cid) is not None:
+                raise StoreError(f"conversation {cid!r} already exists")
+            row = ConversationRow(
+                id=cid, title=title, system_prompt=system_prompt, settings=settings or {}
+            )
+            session.add(row)
+            session.flush()
+            return _conversation(row)
+
+    def get_conversation(self, conversation_id: str) -> Conversation:
+        with self._session() as session:
+            row = session.get(ConversationRow, conversation_id)
+            if row is None:
+                raise ConversationNotFound(conversation_id)
+            count = session.scalar(
+                select(func.count()).where(MessageRow.conversation_id == conversation_id)
+            )
+            return _conversation(row, count or 0)
+
+    def has_conversation(self, conversation_id: str) -> bool:
+        with self._session() as session:
+            return session.get(ConversationRow, conversation_id) is not None
+
+    def update_conversation(
+        self,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Conversation:
+        """Change the given fields (None leaves a field as it is)."""
+        with self._session() as session:
+            row = session.get(ConversationRow, conversation_id)
+            if row is None:
+                raise ConversationNotFound(conversation_id)
+            if title is not None:
+                row.title = title
+            if system_prompt is not None:
+                row.system_prompt = system_prompt
+            if settings is not None:
+                row.settings = settings
+            session.flush()
+            return _conversation(row)
+
+    def list_conversations(self) -> list[Conversation]:
+        """Every conversation with its message count, most recently updated first."""
+        counts = (
+            select(MessageRow.conversation_id, func.count().label("n"))
+            .group_by(MessageRow.conversation_id)
+            .subquery()
+        )
+        query = (
+            select(ConversationRow, func.coalesce(counts.c.n, 0))
+            .outerjoin(counts, counts.c.conversation_id == ConversationRow.id)
+            .order_by(ConversationRow.updated_at.desc(), ConversationRow.id)
+        )
+        with self._session() as session:
+            return [_conversation(row, n) for row, n in session.execute(query)]
+
+    def delete_conversation(self, conversation_id: str) -> None:
+        with self._session() as session:
+            row = session.get(ConversationRow, conversation_id)
+            if row is None:
+                raise ConversationNotFound(conversation_id)
+            session.delete(row)
+
+    # messages ------------------------------------------------------------------------------
+
+    def add_message(
+        self,
+        conversation_id: str,
+        role: str,
+        content: str,
+        *,
+        status: str = "complete",
+        name: str | None = None,
+        tool_call_id: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> Message:
+        """Append a message and commit it at once."""
+        return self.add_messages(
+            conversation_id,
+            [
+                {
+                    "role": role,
+                    "content": content,
+                    "status": status,
+                    "name": name,
+                    "tool_call_id": tool_call_id,
+                    "tool_calls": tool_calls,
+                }
+            ],
+        )[0]
+
+    def add_messages(
+        self, conversation_id: str, messages: Sequence[dict[str, Any]]
+    ) -> list[Message]:
+        """Append several messages in one transaction (all or none)."""
+        for message in messages:
+            if message["role"] not in ROLES:
+                raise StoreError(f"unknown role {message['role']!r}")
+        with self._session() as session:
+            conversation = session.get(ConversationRow, conversation_id)
+            if conversation is None:
+                raise ConversationNotFound(conversation_id)
+            last = session.scalar(
+                select(func.max(MessageRow.position)).where(
+                    MessageRow.conversation_id == conversation_id
+                )
+            )
+            position = -1 if last is None else last
+            rows = []
+            for message in messages:
+                position += 1
+                row = MessageRow(
+                    conversation_id=conversation_id,
+                    position=position,
+                    role=message["role"],
+                    content=message["content"],
+                    status=message.get("status") or "complete",
+                    name=message.get("name"),
+                    tool_call_id=message.get("tool_call_id"),
+                    tool_calls=message.get("tool_calls"),
+                )
+                session.add(row)
+                rows.append(row)
+            conversation.updated_at = utcnow()
+            session.flush()
+            return [_message(row) for row in rows]
+
+    def update_message(self, message_id: int, *, content: str, status: str) -> Message:
+        """Set a message's content and status (used to finish a streamed reply)."""
+        with self._session() as session:
+            row = session.get(MessageRow, message_id)
+            if row is None:
+                raise StoreError(f"no message with id {message_id}")
+            row.content = content
+            row.status = status
+            session.flush()
+            return _message(row)
+
+    def messages(self, conversation_id: str) -> list[Message]:
+        """The full, untrimmed history in order."""
+        with self._session() as session:
+            if session.get(ConversationRow, conversation_id) is None:
+                raise ConversationNotFound(conversation_id)
+            rows = session.scalars(
+                select(MessageRow)
+                .where(MessageRow.conversation_id == conversation_id)
+                .order_by(MessageRow.position)
+            )
+            return [_message(row) for row in rows]
+
+    # turns ---------------------------------------------------------------------------------
+
+    def add_turn(self, conversation_id: str, **figures: Any) -> Turn:
+        """Record one turn's token and timing figures."""
+        with self._session() as session:
+            row = TurnRow(conversation_id=conversation_id, **figures)
+            session.add(row)
+            session.flush()
+            return _turn(row)
+
+    def turns(self, conversation_id: str) -> list[Turn]:
+        with self._session() as session:
+            rows = session.scalars(
+                select(TurnRow)
+                .where(TurnRow.conversation_id == conversation_id)
+                .order_by(TurnRow.id)
+            )
+            return [_turn(row) for row in rows]

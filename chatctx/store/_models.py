@@ -1,0 +1,131 @@
+"""SQLAlchemy 2 ORM models. The store is the full record: trimming never rewrites it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Stores aware UTC datetimes; SQLite drops the zone, so it is put back on read."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ConversationRow(Base):
+    __tablename__ = "conversations"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    title: Mapped[str | None] = mapped_column(String(500))
+    system_prompt: Mapped[str | None] = mapped_column(Text)
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+    messages: Mapped[list[MessageRow]] = relationship(
+        back_populates="conversation",
+        order_by="MessageRow.position",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+    )
+
+
+class MessageRow(Base):
+    __tablename__ = "messages"
+    __table_args__ = (Index("ix_messages_conversation_position", "conversation_id", "position",
+                            unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    conversation_id: Mapped[str] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), index=True
+    )
+    position: Mapped[int] = mapped_column(Integer)
+    role: Mapped[str] = mapped_column(String(20))
+    content: Mapped[str] = mapped_column(Text)
+    name: Mapped[str | None] = mapped_column(String(200))
+    tool_call_id: Mapped[str | None] = mapped_column(String(200))
+    tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    # complete | partial (an interrupted reply)
+    status: Mapped[str] = mapped_column(String(20), default="complete")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    conversation: Mapped[ConversationRow] = relationship(back_populates="messages")
+
+
+class SummaryRow(Base):
+    """A running summary of evicted turns (filled by the context builder)."""
+
+    __tablename__ = "summaries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    conversation_id: Mapped[str] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), index=True
+    )
+    content: Mapped[str] = mapped_column(Text)
+    covered_message_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
+    token_count: Mapped[int | None] = mapped_column(Integer)
+    tokenizer: Mapped[str | None] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TurnRow(Base):
+    """What one turn cost: tokens and timings as the engine measured them."""
+
+    __tablename__ = "turns"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    conversation_id: Mapped[str] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), index=True
+    )
+    user_message_id: Mapped[int | None] = mapped_column(
+        ForeignKey("messages.id", ondelete="SET NULL")
+    )
+    assistant_message_id: Mapped[int | None] = mapped_column(
+        ForeignKey("messages.id", ondelete="SET NULL")
+    )
+    model: Mapped[str | None] = mapped_column(String(500))
+    seq_id: Mapped[int] = mapped_column(Integer, default=0)
+    n_ctx: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    reused_tokens: Mapped[int] = mapped_column(Integer)
+    evaluated_tokens: Mapped[int] = mapped_column(Integer)
+    generated_tokens: Mapped[int] = mapped_column(Integer)
+    prefill_ms: Mapped[float] = mapped_column()
+    ttft_ms: Mapped[float | None] = mapped_column()
+    decode_tokens_per_s: Mapped[float | None] = mapped_column()
+    total_ms: Mapped[float] = mapped_column()
+    stop_reason: Mapped[str] = mapped_column(String(20))
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

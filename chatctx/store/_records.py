@@ -1,0 +1,74 @@
+"""Plain, immutable records the store hands out (no live ORM objects leak out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One stored chat message."""
+
+    id: int
+    conversation_id: str
+    position: int
+    role: str
+    content: str
+    status: str = "complete"
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    created_at: datetime | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The message in OpenAI chat format (only the fields that are set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A conversation's own settings; its messages come from ``Store.messages``."""
+
+    id: str
+    title: str | None
+    system_prompt: str | None
+    settings: dict[str, Any] = field(default_factory=dict)
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    message_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """Token and timing figures of one generated reply."""
+
+    id: int
+    conversation_id: str
+    user_message_id: int | None
+    assistant_message_id: int | None
+    model: str | None
+    seq_id: int
+    n_ctx: int
+    prompt_tokens: int
+    reused_tokens: int
+    evaluated_tokens: int
+    generated_tokens: int
+    prefill_ms: float
+    ttft_ms: float | None
+    decode_tokens_per_s: float | None
+    total_ms: float
+    stop_reason: str
+    plan: dict[str, Any] | None
+    created_at: datetime | None
