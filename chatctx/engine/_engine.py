@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,8 +56,12 @@ class GenerationResult:
     stop_reason: str  # eog | length | context_full | interrupted
 
     def as_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "stop_reason": self.stop_reason,
-                "usage": asdict(self.usage), "timings": asdict(self.timings)}
+        return {
+            "text": self.text,
+            "stop_reason": self.stop_reason,
+            "usage": asdict(self.usage),
+            "timings": asdict(self.timings),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +96,14 @@ class Generation:
     ``interrupted``; the KV mirror stays exact either way.
     """
 
-    def __init__(self, engine: Engine, seq_id: int, prompt: Sequence[int],
-                 settings: GenerationSettings) -> None:
+    def __init__(
+        self, engine: Engine, seq_id: int, prompt: Sequence[int], settings: GenerationSettings
+    ) -> None:
         self.result: GenerationResult | None = None
         self.text = ""
-        self._iterator = engine._run(self, seq_id, list(prompt), settings)
+        self._iterator: Generator[str, None, None] = engine._run(
+            self, seq_id, list(prompt), settings
+        )
 
     def __iter__(self) -> Iterator[str]:
         return self._iterator
@@ -131,10 +138,17 @@ class Engine:
             self.model = NativeModel(config.model_path, n_gpu_layers=config.n_gpu_layers)
             self._stack.callback(self.model.close)
             self.context = NativeContext(
-                self.model, n_ctx=config.n_ctx, n_batch=config.n_batch,
-                n_ubatch=config.n_ubatch, n_seq_max=config.n_seq_max,
-                kv_unified=config.kv_unified, flash_attn=config.flash_attn,
-                type_k=config.type_k, type_v=config.type_v, n_threads=config.n_threads)
+                self.model,
+                n_ctx=config.n_ctx,
+                n_batch=config.n_batch,
+                n_ubatch=config.n_ubatch,
+                n_seq_max=config.n_seq_max,
+                kv_unified=config.kv_unified,
+                flash_attn=config.flash_attn,
+                type_k=config.type_k,
+                type_v=config.type_v,
+                n_threads=config.n_threads,
+            )
             self._stack.callback(self.context.close)  # LIFO: context before model
         except BaseException:
             self._stack.close()
@@ -145,12 +159,18 @@ class Engine:
             template_source,
             bos_token=self.model.token_text(bos) if bos >= 0 else "",
             eos_token=self.model.token_text(int(eos_id)) if isinstance(eos_id, int) else "",
-            name=template_name)
+            name=template_name,
+        )
         self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
         self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
-        logger.debug("loaded %s: n_ctx=%d n_seq_max=%d template=%s gpu=%s",
-                     config.model_path, self.n_ctx, config.n_seq_max, template_name,
-                     self.gpu_offload)
+        logger.debug(
+            "loaded %s: n_ctx=%d n_seq_max=%d template=%s gpu=%s",
+            config.model_path,
+            self.n_ctx,
+            config.n_seq_max,
+            template_name,
+            self.gpu_offload,
+        )
 
     @classmethod
     def load(cls, model: str | Path | None = None, **options: Any) -> Engine:
@@ -175,7 +195,8 @@ class Engine:
         raise ModelError(
             f"{config.model_path} has no chat template; pass chat_format='llama-3' or "
             "'chatml' (--chat-format) or a chat_template, chatctx never guesses one",
-            path=str(config.model_path))
+            path=str(config.model_path),
+        )
 
     # lifecycle ----------------------------------------------------------------------------
 
@@ -185,8 +206,12 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     # facts --------------------------------------------------------------------------------
@@ -199,12 +224,19 @@ class Engine:
     def info(self) -> ModelInfo:
         d = self.model.describe()
         return ModelInfo(
-            path=self.config.model_path, architecture=self.facts["architecture"],
-            description=d["description"], n_params=d["n_params"], n_layer=d["n_layer"],
-            n_ctx_train=d["n_ctx_train"], n_vocab=d["n_vocab"], n_ctx=self.n_ctx,
-            n_seq_max=self.config.n_seq_max, chat_template=self.template.name,
+            path=self.config.model_path,
+            architecture=self.facts["architecture"],
+            description=d["description"],
+            n_params=d["n_params"],
+            n_layer=d["n_layer"],
+            n_ctx_train=d["n_ctx_train"],
+            n_vocab=d["n_vocab"],
+            n_ctx=self.n_ctx,
+            n_seq_max=self.config.n_seq_max,
+            chat_template=self.template.name,
             gpu_offload=self.gpu_offload,
-            kv_bytes_per_token_f16=self.facts["kv_bytes_per_token_f16"])
+            kv_bytes_per_token_f16=self.facts["kv_bytes_per_token_f16"],
+        )
 
     # text ---------------------------------------------------------------------------------
 
@@ -215,12 +247,14 @@ class Engine:
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         return self.model.detokenize(tokens, special=special)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *,
-               add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
 
-    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], *,
-                      add_generation_prompt: bool = True) -> list[int]:
+    def prompt_tokens(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """The exact token ids llama.cpp will see for ``messages``."""
         tokens = self.tokenize(self.render(messages, add_generation_prompt=add_generation_prompt))
         bos = self.model.bos
@@ -251,16 +285,16 @@ class Engine:
 
     # generation ---------------------------------------------------------------------------
 
-    def generate(self, prompt: Sequence[int], *, seq_id: int = 0,
-                 settings: GenerationSettings | None = None) -> Generation:
+    def generate(
+        self, prompt: Sequence[int], *, seq_id: int = 0, settings: GenerationSettings | None = None
+    ) -> Generation:
         """Start generating after ``prompt`` on ``seq_id``; iterate the result for text."""
         if seq_id not in self._mirror:
             raise ConfigError(f"sequence {seq_id} outside 0..{self.config.n_seq_max - 1}")
         if not prompt:
             raise GenerationError("empty prompt")
         if len(prompt) >= self.n_ctx:
-            raise GenerationError(
-                f"prompt of {len(prompt)} tokens does not fit n_ctx={self.n_ctx}")
+            raise GenerationError(f"prompt of {len(prompt)} tokens does not fit n_ctx={self.n_ctx}")
         return Generation(self, seq_id, prompt, settings or GenerationSettings())
 
     def _prefill(self, seq_id: int, prompt: list[int]) -> tuple[int, int]:
@@ -278,8 +312,9 @@ class Engine:
         # After a failed decode, drop whatever llama.cpp kept beyond the mirror.
         self.context.seq_rm(seq_id, len(self._mirror[seq_id]), -1)
 
-    def _run(self, generation: Generation, seq_id: int, prompt: list[int],
-             settings: GenerationSettings) -> Iterator[str]:
+    def _run(
+        self, generation: Generation, seq_id: int, prompt: list[int], settings: GenerationSettings
+    ) -> Generator[str, None, None]:
         t0 = time.perf_counter()
         mirror = self._mirror[seq_id]
         tokens: list[int] = []
@@ -291,11 +326,16 @@ class Engine:
         try:
             reused, index = self._prefill(seq_id, prompt)
             prefill_ms = (time.perf_counter() - t0) * 1000
-            with Sampler(self.model, temperature=settings.temperature, top_k=settings.top_k,
-                         top_p=settings.top_p, min_p=settings.min_p,
-                         repeat_penalty=settings.repeat_penalty,
-                         repeat_last_n=settings.repeat_last_n, seed=settings.seed) as sampler:
-                stop = "length"
+            with Sampler(
+                self.model,
+                temperature=settings.temperature,
+                top_k=settings.top_k,
+                top_p=settings.top_p,
+                min_p=settings.min_p,
+                repeat_penalty=settings.repeat_penalty,
+                repeat_last_n=settings.repeat_last_n,
+                seed=settings.seed,
+            ) as sampler:
                 for _ in range(settings.max_tokens):
                     token = sampler.sample(self.context, index)
                     if t_first is None:
@@ -308,8 +348,7 @@ class Engine:
                     if len(mirror) >= self.n_ctx:
                         stop = "context_full"
                         break
-                    index = self.context.decode(seq_id, [token], len(mirror),
-                                                want_last_logits=True)
+                    index = self.context.decode(seq_id, [token], len(mirror), want_last_logits=True)
                     mirror.append(token)
                     if chunk:
                         generation.text += chunk
@@ -329,14 +368,20 @@ class Engine:
             generation.result = GenerationResult(
                 text=generation.text,
                 tokens=tuple(tokens),
-                usage=Usage(prompt_tokens=len(prompt), reused_tokens=reused,
-                            evaluated_tokens=len(prompt) - reused,
-                            generated_tokens=len(tokens)),
+                usage=Usage(
+                    prompt_tokens=len(prompt),
+                    reused_tokens=reused,
+                    evaluated_tokens=len(prompt) - reused,
+                    generated_tokens=len(tokens),
+                ),
                 timings=Timings(
                     prefill_ms=prefill_ms,
                     ttft_ms=(t_first - t0) * 1000 if t_first is not None else None,
                     decode_ms=decode_s * 1000,
                     decode_tokens_per_s=(len(tokens) - 1) / decode_s
-                    if len(tokens) > 1 and decode_s > 0 else None,
-                    total_ms=(t_end - t0) * 1000),
-                stop_reason=stop)
+                    if len(tokens) > 1 and decode_s > 0
+                    else None,
+                    total_ms=(t_end - t0) * 1000,
+                ),
+                stop_reason=stop,
+            )

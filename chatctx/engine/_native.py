@@ -24,16 +24,20 @@ from chatctx.errors import GenerationError, KVCacheError, ModelError
 logger = logging.getLogger("chatctx.llama")
 
 # ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continue previous line
-_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING,
-           4: logging.ERROR}
+_LEVELS = {
+    0: logging.DEBUG,
+    1: logging.DEBUG,
+    2: logging.DEBUG,
+    3: logging.WARNING,
+    4: logging.ERROR,
+}
 # llama.cpp reports why a load failed only through its log: keep the last error lines.
 _recent_errors: deque[str] = deque(maxlen=8)
 _last_level = logging.DEBUG
 _init_lock = threading.Lock()
 _initialized = False
 
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
-            "bf16": 30}
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
 @ll.llama_log_callback  # type: ignore[untyped-decorator]
@@ -82,8 +86,9 @@ class NativeModel:
         _recent_errors.clear()
         ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not ptr:
-            raise ModelError(f"llama.cpp could not load {path}{_recent_error_text()}",
-                             path=str(path))
+            raise ModelError(
+                f"llama.cpp could not load {path}{_recent_error_text()}", path=str(path)
+            )
         self.ptr: Any = ptr
         self.vocab: Any = ll.llama_model_get_vocab(ptr)
         self.path = path
@@ -143,13 +148,15 @@ class NativeModel:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         buf = (ll.llama_token * capacity)()
-        n = ll.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special,
-                              parse_special)
+        n = ll.llama_tokenize(
+            self.vocab, data, len(data), buf, capacity, add_special, parse_special
+        )
         if n < 0:
             capacity = -n
             buf = (ll.llama_token * capacity)()
-            n = ll.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special,
-                                  parse_special)
+            n = ll.llama_tokenize(
+                self.vocab, data, len(data), buf, capacity, add_special, parse_special
+            )
         if n < 0:
             raise ModelError(f"tokenization failed ({n})", path=str(self.path))
         return list(buf[:n])
@@ -164,7 +171,8 @@ class NativeModel:
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         return b"".join(self.piece(t, special=special) for t in tokens).decode(
-            "utf-8", errors="replace")
+            "utf-8", errors="replace"
+        )
 
 
 def _check_decode(code: int, *, seq_id: int, n_tokens: int) -> None:
@@ -174,14 +182,17 @@ def _check_decode(code: int, *, seq_id: int, n_tokens: int) -> None:
     if code == 1:
         raise KVCacheError(
             f"no KV cache slot for {n_tokens} tokens of sequence {seq_id}: the context is full",
-            seq_id=seq_id, n_tokens=n_tokens, code=code)
+            seq_id=seq_id,
+            n_tokens=n_tokens,
+            code=code,
+        )
     if code == 2:
         raise GenerationError("decoding was aborted", code=code)
     if code == -1:
-        raise GenerationError(f"llama.cpp rejected the batch as invalid{_recent_error_text()}",
-                              code=code)
-    raise GenerationError(f"llama_decode failed with code {code}{_recent_error_text()}",
-                          code=code)
+        raise GenerationError(
+            f"llama.cpp rejected the batch as invalid{_recent_error_text()}", code=code
+        )
+    raise GenerationError(f"llama_decode failed with code {code}{_recent_error_text()}", code=code)
 
 
 class NativeContext:
@@ -220,8 +231,10 @@ class NativeContext:
             hint = ""
             if type_v != "f16" and flash_attn is False:
                 hint = " (a quantized V cache needs flash_attn)"
-            raise ModelError(f"failed to create the llama.cpp context{hint}"
-                             f"{_recent_error_text()}", path=str(model.path))
+            raise ModelError(
+                f"failed to create the llama.cpp context{hint}{_recent_error_text()}",
+                path=str(model.path),
+            )
         self.ptr: Any = ptr
         self.model = model
         self.memory: Any = ll.llama_get_memory(ptr)
@@ -256,8 +269,12 @@ class NativeContext:
 
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> None:
         if not ll.llama_memory_seq_rm(self.memory, seq_id, p0, p1):
-            raise KVCacheError(f"llama.cpp refused to remove positions [{p0}, {p1}) of "
-                               f"sequence {seq_id}", seq_id=seq_id, n_tokens=0, code=-1)
+            raise KVCacheError(
+                f"llama.cpp refused to remove positions [{p0}, {p1}) of sequence {seq_id}",
+                seq_id=seq_id,
+                n_tokens=0,
+                code=-1,
+            )
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         ll.llama_memory_seq_add(self.memory, seq_id, p0, p1, delta)
@@ -270,8 +287,9 @@ class NativeContext:
 
     # decoding ------------------------------------------------------------------------------
 
-    def decode(self, seq_id: int, tokens: Sequence[int], start_pos: int, *,
-               want_last_logits: bool) -> int:
+    def decode(
+        self, seq_id: int, tokens: Sequence[int], start_pos: int, *, want_last_logits: bool
+    ) -> int:
         """Evaluate ``tokens`` at positions ``start_pos...`` of ``seq_id``.
 
         Returns the batch index holding the last token's logits (for sampling), or -1.
@@ -283,7 +301,7 @@ class NativeContext:
         batch = self._batch
         index = -1
         for offset in range(0, len(tokens), self.n_batch):
-            chunk = tokens[offset:offset + self.n_batch]
+            chunk = tokens[offset : offset + self.n_batch]
             last_chunk = offset + self.n_batch >= len(tokens)
             for i, token in enumerate(chunk):
                 batch.token[i] = token
@@ -309,15 +327,26 @@ class NativeContext:
 class Sampler:
     """A llama.cpp sampler chain (one per generation, so random state never interleaves)."""
 
-    def __init__(self, model: NativeModel, *, temperature: float, top_k: int, top_p: float,
-                 min_p: float, repeat_penalty: float, repeat_last_n: int,
-                 seed: int | None) -> None:
+    def __init__(
+        self,
+        model: NativeModel,
+        *,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        min_p: float,
+        repeat_penalty: float,
+        repeat_last_n: int,
+        seed: int | None,
+    ) -> None:
         self.ptr: Any = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         add = ll.llama_sampler_chain_add
         if repeat_penalty != 1.0 and repeat_last_n > 0:
             n_vocab = int(ll.llama_vocab_n_tokens(model.vocab))
-            add(self.ptr, ll.llama_sampler_init_penalties(n_vocab, repeat_last_n, repeat_penalty,
-                                                          0.0, 0.0))
+            add(
+                self.ptr,
+                ll.llama_sampler_init_penalties(n_vocab, repeat_last_n, repeat_penalty, 0.0, 0.0),
+            )
         if temperature <= 0:
             add(self.ptr, ll.llama_sampler_init_greedy())
             return
@@ -343,6 +372,10 @@ class Sampler:
     def __enter__(self) -> Sampler:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()

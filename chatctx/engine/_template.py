@@ -46,8 +46,9 @@ def _tojson(value: Any, indent: int | None = None) -> str:
 class ChatTemplate:
     """A compiled chat template with the model's special token strings."""
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
-                 name: str = "gguf") -> None:
+    def __init__(
+        self, source: str, *, bos_token: str = "", eos_token: str = "", name: str = "gguf"
+    ) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -61,8 +62,9 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *,
-               add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text for ``messages`` (dicts in OpenAI chat format)."""
         try:
             return self._template.render(

@@ -101,8 +101,9 @@ def parse_line(text: str, *, line: int, source: str = "<input>") -> Conversation
         if role == "system" and index == 1:
             system_prompt = content
             continue
-        messages.append({key: raw[key] for key in _MESSAGE_KEYS if key in raw} | {
-            "content": content})
+        messages.append(
+            {key: raw[key] for key in _MESSAGE_KEYS if key in raw} | {"content": content}
+        )
     settings = data.get("settings") or {}
     if not isinstance(settings, dict):
         raise _fail('"settings" must be an object', line, source)

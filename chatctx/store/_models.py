@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -64,8 +64,9 @@ class ConversationRow(Base):
 
 class MessageRow(Base):
     __tablename__ = "messages"
-    __table_args__ = (Index("ix_messages_conversation_position", "conversation_id", "position",
-                            unique=True),)
+    __table_args__ = (
+        Index("ix_messages_conversation_position", "conversation_id", "position", unique=True),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     conversation_id: Mapped[str] = mapped_column(
@@ -122,10 +123,10 @@ class TurnRow(Base):
     reused_tokens: Mapped[int] = mapped_column(Integer)
     evaluated_tokens: Mapped[int] = mapped_column(Integer)
     generated_tokens: Mapped[int] = mapped_column(Integer)
-    prefill_ms: Mapped[float] = mapped_column()
-    ttft_ms: Mapped[float | None] = mapped_column()
-    decode_tokens_per_s: Mapped[float | None] = mapped_column()
-    total_ms: Mapped[float] = mapped_column()
+    prefill_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    decode_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    total_ms: Mapped[float] = mapped_column(Float)
     stop_reason: Mapped[str] = mapped_column(String(20))
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

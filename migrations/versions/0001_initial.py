@@ -40,14 +40,18 @@ def upgrade() -> None:
         sa.Column("status", sa.String(20), nullable=False),
         sa.Column("created_at", sa.DateTime(), nullable=False),
         sa.ForeignKeyConstraint(
-            ["conversation_id"], ["conversations.id"],
-            name="fk_messages_conversation_id_conversations", ondelete="CASCADE",
+            ["conversation_id"],
+            ["conversations.id"],
+            name="fk_messages_conversation_id_conversations",
+            ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name="pk_messages"),
     )
     op.create_index("ix_messages_conversation_id", "messages", ["conversation_id"])
     op.create_index(
-        "ix_messages_conversation_position", "messages", ["conversation_id", "position"],
+        "ix_messages_conversation_position",
+        "messages",
+        ["conversation_id", "position"],
         unique=True,
     )
     op.create_table(
@@ -60,8 +64,10 @@ def upgrade() -> None:
         sa.Column("tokenizer", sa.String(100), nullable=True),
         sa.Column("created_at", sa.DateTime(), nullable=False),
         sa.ForeignKeyConstraint(
-            ["conversation_id"], ["conversations.id"],
-            name="fk_summaries_conversation_id_conversations", ondelete="CASCADE",
+            ["conversation_id"],
+            ["conversations.id"],
+            name="fk_summaries_conversation_id_conversations",
+            ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name="pk_summaries"),
     )
@@ -87,16 +93,22 @@ def upgrade() -> None:
         sa.Column("plan", sa.JSON(), nullable=True),
         sa.Column("created_at", sa.DateTime(), nullable=False),
         sa.ForeignKeyConstraint(
-            ["conversation_id"], ["conversations.id"],
-            name="fk_turns_conversation_id_conversations", ondelete="CASCADE",
+            ["conversation_id"],
+            ["conversations.id"],
+            name="fk_turns_conversation_id_conversations",
+            ondelete="CASCADE",
         ),
         sa.ForeignKeyConstraint(
-            ["user_message_id"], ["messages.id"],
-            name="fk_turns_user_message_id_messages", ondelete="SET NULL",
+            ["user_message_id"],
+            ["messages.id"],
+            name="fk_turns_user_message_id_messages",
+            ondelete="SET NULL",
         ),
         sa.ForeignKeyConstraint(
-            ["assistant_message_id"], ["messages.id"],
-            name="fk_turns_assistant_message_id_messages", ondelete="SET NULL",
+            ["assistant_message_id"],
+            ["messages.id"],
+            name="fk_turns_assistant_message_id_messages",
+            ondelete="SET NULL",
         ),
         sa.PrimaryKeyConstraint("id", name="pk_turns"),
     )

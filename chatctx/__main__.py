@@ -1,0 +1,3 @@
+from chatctx.cli import main
+
+main()

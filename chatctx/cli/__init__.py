@@ -1,0 +1,37 @@
+"""The ``chatctx`` command line. Library errors become click errors only here."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from chatctx import __version__
+from chatctx.cli.chat import chat
+from chatctx.cli.conversations import conversations
+from chatctx.cli.db import db
+from chatctx.cli.demo import demo
+from chatctx.cli.models import models
+
+
+@click.group()
+@click.version_option(__version__, prog_name="chatctx")
+@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug incl. llama.cpp).")
+def cli(verbose: int) -> None:
+    """Chatbot context and KV-cache management for llama.cpp and Llama 3 models."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+cli.add_command(chat)
+cli.add_command(conversations)
+cli.add_command(db)
+cli.add_command(demo)
+cli.add_command(models)
+
+
+def main() -> None:
+    cli(prog_name="chatctx")
+
+
+__all__ = ["cli", "main"]

@@ -1,0 +1,125 @@
+"""Shared CLI plumbing: options, error translation, output helpers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+
+from chatctx.config import Settings
+from chatctx.errors import ChatctxError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False)
+
+
+def settings() -> Settings:
+    try:
+        return Settings.from_env()
+    except ChatctxError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def db_option(func: F) -> F:
+    return click.option(
+        "--db",
+        "db",
+        metavar="URL",
+        default=None,
+        help="SQLAlchemy database URL (default: CHATCTX_DB or ~/.local/share/chatctx).",
+    )(func)
+
+
+def model_option(func: F) -> F:
+    return click.option(
+        "--model",
+        "-m",
+        "model",
+        metavar="GGUF",
+        default=None,
+        help="GGUF model file (default: CHATCTX_MODEL or the embedded SmolLM2).",
+    )(func)
+
+
+def json_option(func: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(func)
+
+
+def resolve_db(db: str | None) -> str:
+    return db or settings().db
+
+
+def handle_errors(func: F) -> F:
+    """Turn chatctx errors into a one-line message and exit status 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except ChatctxError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()
+
+
+def engine_options(func: F) -> F:
+    """--n-ctx, --n-gpu-layers, --chat-format: how the model is loaded."""
+    func = click.option(
+        "--chat-format",
+        type=click.Choice(["llama-3", "chatml"]),
+        default=None,
+        help="Built-in chat format for a GGUF without a chat template.",
+    )(func)
+    func = click.option(
+        "--n-gpu-layers",
+        type=int,
+        default=None,
+        help="Layers to offload to the GPU (default: all, when there is one).",
+    )(func)
+    func = click.option(
+        "--n-ctx",
+        type=int,
+        default=None,
+        help="Context size in tokens (default: CHATCTX_N_CTX or 4096).",
+    )(func)
+    return func
+
+
+def build_engine_options(
+    n_ctx: int | None, n_gpu_layers: int | None, chat_format: str | None
+) -> dict[str, Any]:
+    env = settings()
+    options: dict[str, Any] = {
+        "n_ctx": n_ctx or env.n_ctx,
+        "n_gpu_layers": env.n_gpu_layers if n_gpu_layers is None else n_gpu_layers,
+    }
+    if chat_format:
+        options["chat_format"] = chat_format
+    return options
+
+
+def turn_figures(reply: Any) -> str:
+    """One line of per-turn token and timing figures."""
+    u, t = reply.usage, reply.timings
+    ttft = f"{t.ttft_ms:.0f} ms" if t.ttft_ms is not None else "-"
+    tps = f"{t.decode_tokens_per_s:.1f} tok/s" if t.decode_tokens_per_s else "-"
+    return (
+        f"prompt {u.prompt_tokens} tok (reused {u.reused_tokens}, evaluated "
+        f"{u.evaluated_tokens}) · generated {u.generated_tokens} · TTFT {ttft} · {tps} · "
+        f"{reply.stop_reason}"
+    )

@@ -1,0 +1,122 @@
+"""``chatctx chat``: an interactive, streaming REPL over one stored conversation."""
+
+from __future__ import annotations
+
+import click
+
+from chatctx.cli._common import (
+    build_engine_options,
+    console,
+    db_option,
+    engine_options,
+    handle_errors,
+    model_option,
+    resolve_db,
+    turn_figures,
+)
+from chatctx.errors import ContextBudgetError
+from chatctx.session import ChatSession
+
+HELP = """commands:
+  /history   show the stored conversation
+  /stats     figures of the last reply
+  /help      this text
+  /quit      leave (Ctrl-D also works; Ctrl-C interrupts a reply)"""
+
+
+def _history(session: ChatSession) -> None:
+    if session.system_prompt:
+        console.print(f"[dim]system:[/dim] {session.system_prompt}")
+    for m in session.history():
+        flag = "" if m.status == "complete" else f" ({m.status})"
+        console.print(f"[bold]{m.role}{flag}:[/bold] {m.content}")
+
+
+@click.command()
+@click.option(
+    "--conversation",
+    "-c",
+    "conversation_id",
+    default=None,
+    help="Conversation id to continue or create (default: a new one).",
+)
+@click.option("--system", "system_prompt", default=None, help="System prompt to store.")
+@click.option("--max-tokens", type=int, default=None, help="Most tokens per reply.")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature.")
+@db_option
+@model_option
+@engine_options
+@handle_errors
+def chat(
+    conversation_id: str | None,
+    system_prompt: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    db: str | None,
+    model: str | None,
+    n_ctx: int | None,
+    n_gpu_layers: int | None,
+    chat_format: str | None,
+) -> None:
+    """Chat with the model; the conversation is stored and can be continued later."""
+    overrides = {
+        k: v
+        for k, v in {"max_tokens": max_tokens, "temperature": temperature}.items()
+        if v is not None
+    }
+    with ChatSession.open(
+        resolve_db(db),
+        conversation_id=conversation_id,
+        model=model,
+        system_prompt=system_prompt,
+        engine_options=build_engine_options(n_ctx, n_gpu_layers, chat_format),
+    ) as session:
+        if overrides:
+            stored = session.settings.model_dump() | overrides
+            session.store.update_conversation(
+                session.conversation_id,
+                settings=session.store.get_conversation(session.conversation_id).settings
+                | {"generation": stored},
+            )
+        info = session.engine.info()
+        console.print(
+            f"[dim]conversation {session.conversation_id} · {info.path.name} · "
+            f"n_ctx {info.n_ctx} · /help for commands[/dim]"
+        )
+        while True:
+            try:
+                text = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                click.echo()
+                break
+            text = text.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                command = text.split()[0].lower()
+                if command in ("/quit", "/exit"):
+                    break
+                if command == "/history":
+                    _history(session)
+                elif command == "/stats":
+                    if session.last_reply:
+                        console.print(f"[dim]{turn_figures(session.last_reply)}[/dim]")
+                    else:
+                        console.print("[dim]no reply yet[/dim]")
+                else:
+                    click.echo(HELP)
+                continue
+            try:
+                stream = session.stream(text)
+            except ContextBudgetError as exc:
+                console.print(f"[red]{exc}[/red]")
+                continue
+            try:
+                for chunk in stream:
+                    click.echo(chunk, nl=False)
+            except KeyboardInterrupt:
+                stream.close()
+                click.echo(" [interrupted]", nl=False)
+            click.echo()
+            if session.last_reply:
+                console.print(f"[dim]{turn_figures(session.last_reply)}[/dim]")

@@ -1,0 +1,162 @@
+import json
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from chatctx.cli import cli
+from chatctx.store import Store
+
+SAMPLE = json.dumps(
+    {
+        "id": "s1",
+        "messages": [
+            {"role": "system", "content": "Be nice."},
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi, how can I help?"},
+        ],
+    }
+)
+
+
+def all_commands(group: click.Group, prefix: tuple[str, ...] = ()):
+    for name, command in group.commands.items():
+        yield (*prefix, name), command
+        if isinstance(command, click.Group):
+            yield from all_commands(command, (*prefix, name))
+
+
+def test_every_command_has_help_text() -> None:
+    runner = CliRunner()
+    for path, command in all_commands(cli):
+        assert command.help, f"{' '.join(path)} has no help"
+        result = runner.invoke(cli, [*path, "--help"])
+        assert result.exit_code == 0, path
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"{' '.join(path)} {param.opts} has no help"
+
+
+def test_models_info_json(tiny_llama3_path: Path, smollm2_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["models", "info", str(tiny_llama3_path), "--json"])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)
+    assert facts["vocab_size"] == 128256 and facts["chat_template"] is True
+    default = CliRunner().invoke(cli, ["models", "info"])  # the embedded default
+    assert default.exit_code == 0 and "SmolLM2" in default.output and "30" in default.output
+
+
+def test_models_info_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("nope")
+    result = CliRunner().invoke(cli, ["models", "info", str(bad)])
+    assert result.exit_code == 1 and "not a GGUF" in result.output
+
+
+def test_import_export_list_show(db_url: str, tmp_path: Path) -> None:
+    runner = CliRunner()
+    src = tmp_path / "in.jsonl"
+    src.write_text(SAMPLE + "\n")
+    result = runner.invoke(cli, ["conversations", "import", str(src), "--db", db_url])
+    assert result.exit_code == 0, result.output
+    assert "imported 1 conversation(s): s1" in result.output
+    listed = json.loads(
+        runner.invoke(cli, ["conversations", "list", "--db", db_url, "--json"]).output
+    )
+    assert [(c["id"], c["messages"]) for c in listed] == [("s1", 2)]
+    shown = json.loads(
+        runner.invoke(cli, ["conversations", "show", "s1", "--db", db_url, "--json"]).output
+    )
+    assert [m["content"] for m in shown["messages"]] == ["Hello", "Hi, how can I help?"]
+    exported = runner.invoke(cli, ["conversations", "export", "s1", "--db", db_url])
+    assert json.loads(exported.stdout) == json.loads(SAMPLE)
+
+
+def test_malformed_import_names_the_line_and_stores_nothing(db_url: str, tmp_path: Path) -> None:
+    src = tmp_path / "bad.jsonl"
+    src.write_text(SAMPLE + "\n" + '{"id": "s2", "messages": [{"role": "usr", "content": "x"}]}\n')
+    result = CliRunner().invoke(cli, ["conversations", "import", str(src), "--db", db_url])
+    assert result.exit_code == 1
+    assert f"{src}:2: message 1: unknown role 'usr'" in result.output
+    with Store(db_url) as store:
+        assert store.list_conversations() == []
+
+
+def test_unknown_conversation(db_url: str) -> None:
+    for args in (["conversations", "show", "ghost"], ["conversations", "export", "ghost"]):
+        result = CliRunner().invoke(cli, [*args, "--db", db_url])
+        assert result.exit_code == 1
+        assert "no conversation with id 'ghost'" in result.output
+
+
+def test_db_upgrade_and_current(db_url: str) -> None:
+    runner = CliRunner()
+    before = json.loads(runner.invoke(cli, ["db", "current", "--db", db_url, "--json"]).output)
+    assert before["current"] is None and before["up_to_date"] is False
+    assert runner.invoke(cli, ["db", "upgrade", "--db", db_url]).exit_code == 0
+    after = json.loads(runner.invoke(cli, ["db", "current", "--db", db_url, "--json"]).output)
+    assert after["current"] == after["head"] and after["up_to_date"] is True
+
+
+def test_env_settings_are_used(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHATCTX_DB", db_url)
+    src = tmp_path / "in.jsonl"
+    src.write_text(SAMPLE + "\n")
+    assert CliRunner().invoke(cli, ["conversations", "import", str(src)]).exit_code == 0
+    with Store(db_url) as store:
+        assert store.has_conversation("s1")
+
+
+def test_chat_repl(db_url: str, tiny_llama3_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli,
+        [
+            "chat",
+            "--db",
+            db_url,
+            "--model",
+            str(tiny_llama3_path),
+            "-c",
+            "r1",
+            "--max-tokens",
+            "4",
+            "--n-ctx",
+            "512",
+            "--system",
+            "Be brief.",
+        ],
+        input="hello there\n/history\n/stats\n/quit\n",
+    )
+    assert result.exit_code == 0, result.output
+    assert "user: hello there" in result.output
+    assert "prompt " in result.output and "reused" in result.output
+    with Store(db_url) as store:
+        messages = store.messages("r1")
+        assert [m.role for m in messages] == ["user", "assistant"]
+        assert store.get_conversation("r1").settings["generation"]["max_tokens"] == 4
+
+
+def test_chat_missing_model(db_url: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli, ["chat", "--db", db_url, "--model", str(tmp_path / "none.gguf")], input="/quit\n"
+    )
+    assert result.exit_code == 1 and "model file not found" in result.output
+
+
+def test_demo_json(db_url: str, tiny_llama3_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["demo", "--db", db_url, "--model", str(tiny_llama3_path), "--max-tokens", "4", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    turns = report["turns"]
+    assert len(turns) == 8
+    assert turns[0]["reused_tokens"] == 0
+    assert all(t["prompt_tokens"] == t["reused_tokens"] + t["evaluated_tokens"] for t in turns)
+    assert all(t["reused_tokens"] > 0 for t in turns[1:])
+    with Store(db_url) as store:
+        assert len(store.messages(report["conversation"])) == 16

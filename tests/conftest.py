@@ -1,0 +1,51 @@
+"""Shared fixtures: an isolated CHATCTX_HOME per test, and real models built once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chatctx.engine import Engine, default_model_path
+from chatctx.testing import write_tiny_llama3
+
+ROOT = Path(__file__).resolve().parent.parent
+# Fetched assets (the Llama 3 vocabulary) outlive one test's CHATCTX_HOME.
+os.environ.setdefault("CHATCTX_ASSETS", str(ROOT / ".cache" / "assets"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHATCTX_HOME", str(tmp_path / "home"))
+    for name in ("CHATCTX_DB", "CHATCTX_MODEL", "CHATCTX_N_CTX", "CHATCTX_N_GPU_LAYERS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama3(tmp_path_factory.mktemp("models") / "tiny-llama3.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    # Installed by `make setup`; a missing model is a failure, never a silent skip.
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llama3_engine(tiny_llama3_path: Path) -> Iterator[Engine]:
+    with Engine.load(tiny_llama3_path, n_ctx=2048, n_seq_max=2) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smollm2_path: Path) -> Iterator[Engine]:
+    with Engine.load(smollm2_path, n_ctx=2048) as engine:
+        yield engine
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'chat.db'}"

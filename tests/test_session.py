@@ -1,0 +1,115 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatctx import ChatSession, ContextBudgetError, Engine, GenerationSettings, Store
+from chatctx.errors import ConfigError
+
+
+@pytest.mark.slow
+def test_two_turns_with_smollm2_then_reopen_in_a_new_process(
+    db_url: str, smol_engine: Engine
+) -> None:
+    with ChatSession.open(
+        db_url,
+        conversation_id="cust-42",
+        model=smol_engine,
+        system_prompt="You are a helpful support agent.",
+        settings={"max_tokens": 24, "seed": 7},
+    ) as chat:
+        first = chat.send("Hi! My order 1234 has not arrived.")
+        second = chat.send("Can you check it again?")
+    assert first.text.strip() and second.text.strip()
+    assert second.usage.reused_tokens > first.usage.prompt_tokens // 2
+    code = f"""
+from chatctx import ChatSession
+with ChatSession.open({db_url!r}, conversation_id="cust-42") as chat:
+    print(len(chat.history()), chat.settings.max_tokens, repr(chat.system_prompt))
+    reply = chat.send("Thanks, bye.")
+    print(len(chat.history()), bool(reply.text.strip()))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+    assert out == ["4 24 'You are a helpful support agent.'", "6 True"]
+    with Store(db_url) as store:
+        roles = [m.role for m in store.messages("cust-42")]
+        turns = store.turns("cust-42")
+    assert roles == ["user", "assistant"] * 3
+    assert len(turns) == 3
+    assert all(t.prompt_tokens == t.reused_tokens + t.evaluated_tokens for t in turns)
+
+
+def test_interrupted_stream_keeps_user_and_partial_reply(
+    db_url: str, llama3_engine: Engine
+) -> None:
+    with ChatSession.open(
+        db_url,
+        conversation_id="c",
+        model=llama3_engine,
+        settings={"max_tokens": 50, "temperature": 0.0},
+    ) as chat:
+        stream = chat.stream("Tell me a long story")
+        next(stream)
+        stream.close()
+        history = chat.history()
+        assert chat.last_reply is not None
+        assert chat.last_reply.stop_reason == "interrupted"
+    assert [(m.role, m.status) for m in history] == [("user", "complete"), ("assistant", "partial")]
+    assert history[0].content == "Tell me a long story"
+    assert history[1].content
+
+
+def test_user_message_is_committed_before_generation(db_url: str, llama3_engine: Engine) -> None:
+    with ChatSession.open(
+        db_url, conversation_id="c", model=llama3_engine, settings={"max_tokens": 5}
+    ) as chat:
+        stream = chat.stream("first")
+        next(stream)
+        with Store(db_url) as other:  # a second connection sees it mid-stream
+            assert [m.content for m in other.messages("c")] == ["first"]
+        for _ in stream:
+            pass
+
+
+def test_history_that_does_not_fit_raises_and_stores_nothing(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    with (
+        Engine.load(tiny_llama3_path, n_ctx=256) as engine,
+        ChatSession.open(
+            db_url, conversation_id="c", model=engine, settings={"max_tokens": 64}
+        ) as chat,
+    ):
+        with pytest.raises(ContextBudgetError, match="budget is 192") as info:
+            chat.send("word " * 300)
+        assert info.value.budget == 192 and info.value.prompt_tokens > 300
+        assert chat.history() == []
+
+
+def test_settings_and_system_prompt_are_stored(db_url: str, llama3_engine: Engine) -> None:
+    with ChatSession.open(
+        db_url,
+        conversation_id="c",
+        model=llama3_engine,
+        system_prompt="sys",
+        settings=GenerationSettings(max_tokens=3),
+    ):
+        pass
+    with ChatSession.open(db_url, conversation_id="c", model=llama3_engine) as chat:
+        assert chat.settings.max_tokens == 3
+        assert chat.system_prompt == "sys"
+        reply = chat.send("hi")
+        assert reply.usage.generated_tokens <= 3
+        assert chat.context_messages()[0] == {"role": "system", "content": "sys"}
+
+
+def test_bad_input(db_url: str, llama3_engine: Engine) -> None:
+    with pytest.raises(ConfigError, match="generation settings"):
+        ChatSession.open(db_url, model=llama3_engine, settings={"max_tokens": 0})
+    with ChatSession.open(db_url, model=llama3_engine) as chat:
+        with pytest.raises(ConfigError, match="empty"):
+            chat.send("   ")
+        assert chat.history() == []
