@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from chatctx.errors import ConfigError
 
-__all__ = ["EngineConfig", "GenerationSettings", "Settings", "default_home"]
+__all__ = ["ContextSettings", "EngineConfig", "GenerationSettings", "Settings", "default_home"]
 
 KVType = Literal["f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
@@ -31,6 +31,42 @@ class GenerationSettings(_Model):
     repeat_penalty: float = Field(1.1, ge=0.0, description="Penalty for repeated tokens.")
     repeat_last_n: int = Field(64, ge=0, description="Window for the repeat penalty.")
     seed: int | None = Field(None, ge=0, description="Sampling seed; None = random.")
+
+
+class ContextSettings(_Model):
+    """How history is fitted into the token budget; stored with each conversation."""
+
+    policy: Literal["watermarks", "trim-every-turn"] = Field(
+        "watermarks",
+        description="watermarks: evict whole turns down to `low` only when over `high`, so "
+        "prompts extend each other between evictions; trim-every-turn: drop just enough "
+        "every turn (the naive baseline).",
+    )
+    budget: int | None = Field(
+        None, ge=16, description="Prompt token budget; None = n_ctx - reserve."
+    )
+    reserve: int | None = Field(
+        None, ge=0, description="Tokens kept free for the reply; None = max_tokens."
+    )
+    high: float = Field(1.0, gt=0.0, le=1.0, description="Evict when the prompt exceeds this.")
+    low: float = Field(0.6, gt=0.0, le=1.0, description="Evict down to this share of budget.")
+    summarizer: Literal["extractive", "llm", "none"] = Field(
+        "extractive", description="What folds evicted turns into the running summary."
+    )
+    summary_max_tokens: int = Field(192, ge=16, description="Longest running summary.")
+    summary_timeout_s: float = Field(60.0, gt=0, description="Give up summarizing after this.")
+    truncate_oversized: bool = Field(
+        False,
+        description="Cut a single message that cannot fit in the middle (with a marker) "
+        "instead of raising ContextBudgetError.",
+    )
+
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> ContextSettings:
+        if self.low > self.high:
+            raise ValueError(f"low watermark {self.low} is above high watermark {self.high}")
+        return self
 
 
 class EngineConfig(_Model):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from chatctx.config import GenerationSettings
+from chatctx.config import ContextSettings, GenerationSettings
+from chatctx.context import (
+    BuildResult,
+    ContextBuilder,
+    ContextPlan,
+    ContextState,
+    ExtractiveSummarizer,
+    LLMSummarizer,
+    Summarizer,
+)
 from chatctx.engine import Engine, GenerationResult, Timings, Usage
-from chatctx.errors import ConfigError, ContextBudgetError
+from chatctx.errors import ConfigError
 from chatctx.store import Message, Store, Turn
 
 __all__ = ["ChatSession", "Reply"]
@@ -40,6 +50,7 @@ class Reply:
     timings: Timings
     stop_reason: str
     turn: Turn | None
+    plan: ContextPlan | None = None
 
 
 class ChatSession:
@@ -57,6 +68,7 @@ class ChatSession:
         engine: Engine,
         conversation_id: str,
         seq_id: int = 0,
+        summarizer: Summarizer | None = None,
         owns_store: bool = False,
         owns_engine: bool = False,
     ) -> None:
@@ -64,8 +76,11 @@ class ChatSession:
         self.engine = engine
         self.conversation_id = conversation_id
         self.seq_id = seq_id
+        self._custom_summarizer = summarizer
         self._owns_store = owns_store
         self._owns_engine = owns_engine
+        self._builder: ContextBuilder | None = None
+        self._builder_settings: ContextSettings | None = None
         self.last_reply: Reply | None = None
 
     @classmethod
@@ -77,6 +92,8 @@ class ChatSession:
         model: str | Path | Engine | None = None,
         system_prompt: str | None = None,
         settings: GenerationSettings | Mapping[str, Any] | None = None,
+        context: ContextSettings | Mapping[str, Any] | None = None,
+        summarizer: Summarizer | None = None,
         engine_options: Mapping[str, Any] | None = None,
         seq_id: int = 0,
     ) -> ChatSession:
@@ -84,28 +101,36 @@ class ChatSession:
 
         ``db`` is a SQLAlchemy URL or an open ``Store``. ``model`` is a GGUF path, a loaded
         ``Engine`` (shared, left open), or None for ``CHATCTX_MODEL`` / the embedded default.
-        ``system_prompt`` and ``settings``, when given, are stored with the conversation.
+        ``system_prompt``, ``settings`` (generation) and ``context`` (budget, policy,
+        summarizer), when given, are stored with the conversation. ``summarizer`` is a callable
+        ``(previous_summary, evicted_messages) -> summary`` used instead of the configured one.
         """
         generation = _settings(settings) if settings is not None else None
+        context_settings = _context_settings(context) if context is not None else None
         owns_store = not isinstance(db, Store)
         store = Store(db) if isinstance(db, str) else db
         try:
             cid = conversation_id
+            updates: dict[str, Any] = {}
+            if generation is not None:
+                updates["generation"] = generation.model_dump()
+            if context_settings is not None:
+                updates["context"] = context_settings.model_dump()
             if cid is not None and store.has_conversation(cid):
-                if system_prompt is not None or generation is not None:
+                if system_prompt is not None or updates:
                     stored = store.get_conversation(cid).settings
                     store.update_conversation(
                         cid,
                         system_prompt=system_prompt,
-                        settings=None
-                        if generation is None
-                        else stored | {"generation": generation.model_dump()},
+                        settings=(stored | updates) if updates else None,
                     )
             else:
+                defaults = {
+                    "generation": GenerationSettings().model_dump(),
+                    "context": ContextSettings().model_dump(),
+                }
                 cid = store.create_conversation(
-                    cid,
-                    system_prompt=system_prompt,
-                    settings={"generation": (generation or GenerationSettings()).model_dump()},
+                    cid, system_prompt=system_prompt, settings=defaults | updates
                 ).id
             owns_engine = not isinstance(model, Engine)
             engine = (
@@ -122,6 +147,7 @@ class ChatSession:
             engine=engine,
             conversation_id=cid,
             seq_id=seq_id,
+            summarizer=summarizer,
             owns_store=owns_store,
             owns_engine=owns_engine,
         )
@@ -156,20 +182,113 @@ class ChatSession:
         stored = self.store.get_conversation(self.conversation_id).settings
         return _settings(stored.get("generation") or {})
 
+    @property
+    def context_settings(self) -> ContextSettings:
+        stored = self.store.get_conversation(self.conversation_id).settings
+        return _context_settings(stored.get("context") or {})
+
     def history(self) -> list[Message]:
         """Every stored message of this conversation, in order (never trimmed)."""
         return self.store.messages(self.conversation_id)
 
-    def context_messages(self, new_message: str | None = None) -> list[dict[str, Any]]:
-        """The messages sent to the model: system prompt, the whole history, the new one."""
-        messages: list[dict[str, Any]] = []
-        system = self.system_prompt
-        if system:
-            messages.append({"role": "system", "content": system})
-        messages += [m.to_openai() for m in self.history()]
-        if new_message is not None:
-            messages.append({"role": "user", "content": new_message})
-        return messages
+    def pin(self, message_id: int, pinned: bool = True) -> Message:
+        """Always send this message, right after the system prompt."""
+        return self.store.set_pinned(message_id, pinned)
+
+    def builder(self) -> ContextBuilder:
+        """The context builder for the conversation's current settings."""
+        settings = self.context_settings
+        if self._builder is None or self._builder_settings != settings:
+            codec = self.engine.codec()
+            summarizer: Summarizer | None = self._custom_summarizer
+            if summarizer is None and settings.summarizer == "extractive":
+                summarizer = ExtractiveSummarizer(
+                    codec.count, max_tokens=settings.summary_max_tokens
+                )
+            elif summarizer is None and settings.summarizer == "llm":
+                summarizer = LLMSummarizer(
+                    self._summary_generate,
+                    max_tokens=settings.summary_max_tokens,
+                    count=codec.count,
+                    max_input_tokens=self._summary_input_tokens(),
+                )
+            self._builder = ContextBuilder(
+                codec,
+                settings,
+                summarizer=summarizer,
+                cache=self.store,
+                lookup=self.store.messages_by_ids,
+            )
+            self._builder_settings = settings
+        return self._builder
+
+    def budget(self) -> tuple[int, int]:
+        """(prompt token budget, tokens reserved for the reply)."""
+        settings = self.context_settings
+        reserve = settings.reserve if settings.reserve is not None else self.settings.max_tokens
+        limit = self.engine.n_ctx - reserve
+        budget = min(settings.budget, limit) if settings.budget is not None else limit
+        if budget < 16:
+            raise ConfigError(f"no room for a prompt: n_ctx {self.engine.n_ctx}, reserve {reserve}")
+        return budget, reserve
+
+    def plan(self, new_message: str) -> BuildResult:
+        """Build the context for ``new_message`` without sending or storing anything.
+
+        Note: when the plan evicts turns, summarizing runs here too (its result is not kept).
+        """
+        return self._build(new_message)
+
+    def _build(self, new_message: str) -> BuildResult:
+        conversation = self.store.get_conversation(self.conversation_id)
+        stored = self.store.context_state(self.conversation_id)
+        state = ContextState(
+            window_start=stored.window_start,
+            summary=stored.summary.content if stored.summary else None,
+            summary_tokens=stored.summary.token_count or 0 if stored.summary else 0,
+            pending_ids=stored.pending_ids,
+        )
+        history = self.store.messages(self.conversation_id, from_position=state.window_start)
+        budget, reserve = self.budget()
+        return self.builder().build(
+            system_prompt=conversation.system_prompt,
+            history=history,
+            new_message=new_message,
+            budget=budget,
+            reserve=reserve,
+            state=state,
+            pinned=self.store.pinned_messages(self.conversation_id),
+        )
+
+    def _summary_input_tokens(self) -> int:
+        return max(64, self.engine.n_ctx - self.context_settings.summary_max_tokens - 128)
+
+    def _summary_generate(self, messages: list[dict[str, Any]]) -> str:
+        """Run the summary prompt on a side sequence when the engine has one.
+
+        With a single sequence it runs on the chat's own, which evicts the chat's cached
+        prefix: the next turn re-evaluates its whole prompt (see README, "Summaries").
+        """
+        n_seq = self.engine.config.n_seq_max
+        seq = n_seq - 1 if n_seq > 1 and n_seq - 1 != self.seq_id else self.seq_id
+        settings = self.context_settings
+        deadline = time.monotonic() + settings.summary_timeout_s
+        generation = self.engine.generate(
+            self.engine.prompt_tokens(messages),
+            seq_id=seq,
+            settings=GenerationSettings(
+                max_tokens=settings.summary_max_tokens, temperature=0.0, repeat_penalty=1.1
+            ),
+        )
+        try:
+            for _ in generation:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"summary not done after {settings.summary_timeout_s} s")
+        finally:
+            generation.close()
+            if seq != self.seq_id:
+                self.engine.clear(seq)
+        return generation.text
 
     # chatting -----------------------------------------------------------------------------
 
@@ -188,33 +307,37 @@ class ChatSession:
         if not text.strip():
             raise ConfigError("empty message")
         settings = self.settings
-        prompt = self.engine.prompt_tokens(self.context_messages(text))
-        budget = self.engine.n_ctx - settings.max_tokens
-        if len(prompt) > budget:
-            raise ContextBudgetError(
-                f"the conversation needs {len(prompt)} prompt tokens but the budget is {budget} "
-                f"(n_ctx {self.engine.n_ctx} - max_tokens {settings.max_tokens}); nothing was "
-                "sent or stored",
-                prompt_tokens=len(prompt),
-                budget=budget,
-                n_ctx=self.engine.n_ctx,
+        built = self._build(text)  # raises ContextBudgetError before anything is stored
+        plan = built.plan
+        if plan.evicted or built.state.pending_ids:
+            new_summary = None
+            if plan.summary_changed and built.state.summary is not None:
+                new_summary = (
+                    built.state.summary,
+                    plan.summarized_ids,
+                    built.state.summary_tokens,
+                    self.builder().codec.fingerprint,
+                )
+            self.store.save_context_state(
+                self.conversation_id,
+                window_start=built.state.window_start,
+                pending_ids=built.state.pending_ids,
+                new_summary=new_summary,
             )
-        return self._stream(text, prompt, settings)
+        return self._stream(text, built, settings)
 
     def _stream(
-        self, text: str, prompt: list[int], settings: GenerationSettings
+        self, text: str, built: BuildResult, settings: GenerationSettings
     ) -> Generator[str, None, None]:
         user = self.store.add_message(self.conversation_id, "user", text)
-        generation = self.engine.generate(prompt, seq_id=self.seq_id, settings=settings)
+        generation = self.engine.generate(built.tokens, seq_id=self.seq_id, settings=settings)
         try:
             yield from generation
         finally:
             generation.close()
-            self._finish(user, generation.result, prompt_tokens=len(prompt))
+            self._finish(user, generation.result, built.plan)
 
-    def _finish(
-        self, user: Message, result: GenerationResult | None, *, prompt_tokens: int
-    ) -> None:
+    def _finish(self, user: Message, result: GenerationResult | None, plan: ContextPlan) -> None:
         if result is None:  # interrupted before the engine started
             return
         complete = result.stop_reason in ("eog", "length")
@@ -242,7 +365,7 @@ class ChatSession:
             decode_tokens_per_s=result.timings.decode_tokens_per_s,
             total_ms=result.timings.total_ms,
             stop_reason=result.stop_reason,
-            plan={"policy": "full-history", "prompt_tokens": prompt_tokens},
+            plan=plan.to_dict(),
         )
         self.last_reply = Reply(
             text=result.text,
@@ -252,8 +375,18 @@ class ChatSession:
             timings=result.timings,
             stop_reason=result.stop_reason,
             turn=turn,
+            plan=plan,
         )
         logger.debug("turn %s: %s", turn.id, result.as_dict())
+
+
+def _context_settings(value: ContextSettings | Mapping[str, Any]) -> ContextSettings:
+    if isinstance(value, ContextSettings):
+        return value
+    try:
+        return ContextSettings.model_validate(dict(value))
+    except ValidationError as exc:
+        raise ConfigError(f"invalid context settings: {exc}") from exc
 
 
 def _settings(value: GenerationSettings | Mapping[str, Any]) -> GenerationSettings:

@@ -83,7 +83,7 @@ def test_history_that_does_not_fit_raises_and_stores_nothing(
             db_url, conversation_id="c", model=engine, settings={"max_tokens": 64}
         ) as chat,
     ):
-        with pytest.raises(ContextBudgetError, match="budget is 192") as info:
+        with pytest.raises(ContextBudgetError, match="budget 192") as info:
             chat.send("word " * 300)
         assert info.value.budget == 192 and info.value.prompt_tokens > 300
         assert chat.history() == []
@@ -103,7 +103,7 @@ def test_settings_and_system_prompt_are_stored(db_url: str, llama3_engine: Engin
         assert chat.system_prompt == "sys"
         reply = chat.send("hi")
         assert reply.usage.generated_tokens <= 3
-        assert chat.context_messages()[0] == {"role": "system", "content": "sys"}
+        assert chat.plan("next").messages[0] == {"role": "system", "content": "sys"}
 
 
 def test_bad_input(db_url: str, llama3_engine: Engine) -> None:

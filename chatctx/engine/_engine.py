@@ -7,6 +7,7 @@ request reuses the longest common prefix and evaluates only the rest.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import logging
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 
 from chatctx.config import EngineConfig, GenerationSettings
 from chatctx.engine import _gguf
+from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._native import NativeContext, NativeModel, Sampler, supports_gpu_offload
 from chatctx.engine._template import BUILTIN_FORMATS, ChatTemplate
@@ -162,6 +164,7 @@ class Engine:
             name=template_name,
         )
         self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
+        self._codec: PromptCodec | None = None
         self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
         logger.debug(
             "loaded %s: n_ctx=%d n_seq_max=%d template=%s gpu=%s",
@@ -261,6 +264,31 @@ class Engine:
         if self.model.add_bos and bos >= 0 and (not tokens or tokens[0] != bos):
             tokens.insert(0, bos)
         return tokens
+
+    def codec(self) -> PromptCodec:
+        """The fastest exact codec: tiktoken when it matches llama.cpp on probe texts."""
+        if self._codec is None:
+            try:
+                codec: PromptCodec = open_codec(
+                    self.config.model_path,
+                    chat_template=self.config.chat_template,
+                    chat_format=self.config.chat_format,
+                    fallback=self.tokenize,
+                )
+                if any(codec.encode(p) != self.tokenize(p) for p in PROBES):
+                    raise ModelError("tiktoken disagrees with llama.cpp on a probe text")
+            except ModelError as exc:
+                logger.info("using llama.cpp tokenization for counting: %s", exc)
+                codec = LlamaCodec(
+                    self.tokenize,
+                    self.template,
+                    bos=self.model.bos,
+                    add_bos=self.model.add_bos,
+                    fingerprint=f"llama-{self.facts.get('vocab_size')}-"
+                    f"{hashlib.sha256(self.template.source.encode()).hexdigest()[:8]}",
+                )
+            self._codec = codec
+        return self._codec
 
     # KV cache -----------------------------------------------------------------------------
 

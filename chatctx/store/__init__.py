@@ -10,7 +10,14 @@ from chatctx.store._jsonl import (
     read_jsonl,
 )
 from chatctx.store._migrate import current_revision, head_revision, migrations_dir, upgrade
-from chatctx.store._records import ROLES, Conversation, Message, Turn
+from chatctx.store._records import (
+    ROLES,
+    Conversation,
+    Message,
+    StoredContextState,
+    Summary,
+    Turn,
+)
 
 __all__ = [
     "ROLES",
@@ -18,6 +25,8 @@ __all__ = [
     "ConversationRecord",
     "Message",
     "Store",
+    "StoredContextState",
+    "Summary",
     "Turn",
     "create_db_engine",
     "current_revision",

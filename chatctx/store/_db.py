@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -17,8 +17,23 @@ from sqlalchemy.pool import StaticPool
 
 from chatctx.errors import ConversationNotFound, StoreError
 from chatctx.store import _migrate
-from chatctx.store._models import ConversationRow, MessageRow, TurnRow, utcnow
-from chatctx.store._records import ROLES, Conversation, Message, Turn
+from chatctx.store._models import (
+    ContextStateRow,
+    ConversationRow,
+    MessageRow,
+    MessageTokensRow,
+    SummaryRow,
+    TurnRow,
+    utcnow,
+)
+from chatctx.store._records import (
+    ROLES,
+    Conversation,
+    Message,
+    StoredContextState,
+    Summary,
+    Turn,
+)
 
 BUSY_TIMEOUT_MS = 10_000
 
@@ -73,6 +88,19 @@ def _message(row: MessageRow) -> Message:
         name=row.name,
         tool_call_id=row.tool_call_id,
         tool_calls=row.tool_calls,
+        created_at=row.created_at,
+        pinned=row.pinned,
+    )
+
+
+def _summary(row: SummaryRow) -> Summary:
+    return Summary(
+        id=row.id,
+        conversation_id=row.conversation_id,
+        content=row.content,
+        covered_message_ids=list(row.covered_message_ids or []),
+        token_count=row.token_count,
+        tokenizer=row.tokenizer,
         created_at=row.created_at,
     )
 
@@ -294,17 +322,138 @@ class Store:
             session.flush()
             return _message(row)
 
-    def messages(self, conversation_id: str) -> list[Message]:
-        """The full, untrimmed history in order."""
+    def messages(self, conversation_id: str, *, from_position: int = 0) -> list[Message]:
+        """The full, untrimmed history in order (from ``from_position`` on)."""
         with self._session() as session:
             if session.get(ConversationRow, conversation_id) is None:
                 raise ConversationNotFound(conversation_id)
             rows = session.scalars(
                 select(MessageRow)
-                .where(MessageRow.conversation_id == conversation_id)
+                .where(
+                    MessageRow.conversation_id == conversation_id,
+                    MessageRow.position >= from_position,
+                )
                 .order_by(MessageRow.position)
             )
             return [_message(row) for row in rows]
+
+    def messages_by_ids(self, ids: Sequence[int]) -> list[Message]:
+        """Messages with these ids, in conversation order."""
+        if not ids:
+            return []
+        with self._session() as session:
+            rows = session.scalars(
+                select(MessageRow)
+                .where(MessageRow.id.in_(list(ids)))
+                .order_by(MessageRow.conversation_id, MessageRow.position)
+            )
+            return [_message(row) for row in rows]
+
+    def pinned_messages(self, conversation_id: str) -> list[Message]:
+        with self._session() as session:
+            rows = session.scalars(
+                select(MessageRow)
+                .where(MessageRow.conversation_id == conversation_id, MessageRow.pinned)
+                .order_by(MessageRow.position)
+            )
+            return [_message(row) for row in rows]
+
+    def set_pinned(self, message_id: int, pinned: bool = True) -> Message:
+        """Pin a message: it is then always sent, right after the system prompt."""
+        with self._session() as session:
+            row = session.get(MessageRow, message_id)
+            if row is None:
+                raise StoreError(f"no message with id {message_id}")
+            row.pinned = pinned
+            session.flush()
+            return _message(row)
+
+    # token counts (the context builder's cache) --------------------------------------------
+
+    def get_token_counts(self, fingerprint: str, ids: Sequence[int]) -> dict[int, int]:
+        found: dict[int, int] = {}
+        with self._session() as session:
+            for start in range(0, len(ids), 500):
+                chunk = list(ids[start : start + 500])
+                rows = session.execute(
+                    select(MessageTokensRow.message_id, MessageTokensRow.tokens).where(
+                        MessageTokensRow.tokenizer == fingerprint,
+                        MessageTokensRow.message_id.in_(chunk),
+                    )
+                )
+                found.update({mid: n for mid, n in rows})
+        return found
+
+    def put_token_counts(self, fingerprint: str, counts: Mapping[int, int]) -> None:
+        with self._session() as session:
+            for mid, n in counts.items():
+                session.merge(MessageTokensRow(message_id=mid, tokenizer=fingerprint, tokens=n))
+
+    # context state and summaries -----------------------------------------------------------
+
+    def context_state(self, conversation_id: str) -> StoredContextState:
+        with self._session() as session:
+            row = session.get(ContextStateRow, conversation_id)
+            if row is None:
+                return StoredContextState()
+            summary = session.get(SummaryRow, row.summary_id) if row.summary_id else None
+            return StoredContextState(
+                window_start=row.window_start,
+                summary=_summary(summary) if summary else None,
+                pending_ids=tuple(row.pending_ids or ()),
+            )
+
+    def save_context_state(
+        self,
+        conversation_id: str,
+        *,
+        window_start: int,
+        pending_ids: Sequence[int] = (),
+        new_summary: tuple[str, Sequence[int], int, str] | None = None,
+    ) -> StoredContextState:
+        """Persist the window start and, when it changed, a new summary version.
+
+        ``new_summary`` is (content, newly covered message ids, token count, tokenizer).
+        Both are written in one transaction.
+        """
+        with self._session() as session:
+            row = session.get(ContextStateRow, conversation_id)
+            if row is None:
+                row = ContextStateRow(conversation_id=conversation_id, pending_ids=[])
+                session.add(row)
+            row.window_start = window_start
+            row.pending_ids = list(pending_ids)
+            summary_row = None
+            if new_summary is not None:
+                content, covered, tokens, tokenizer = new_summary
+                summary_row = SummaryRow(
+                    conversation_id=conversation_id,
+                    content=content,
+                    covered_message_ids=list(covered),
+                    token_count=tokens,
+                    tokenizer=tokenizer,
+                )
+                session.add(summary_row)
+                session.flush()
+                row.summary_id = summary_row.id
+            elif row.summary_id:
+                summary_row = session.get(SummaryRow, row.summary_id)
+            session.flush()
+            return StoredContextState(
+                window_start=row.window_start,
+                summary=_summary(summary_row) if summary_row else None,
+                pending_ids=tuple(row.pending_ids),
+            )
+
+    def summaries(self, conversation_id: str) -> list[Summary]:
+        """Every summary version, oldest first."""
+        with self._session() as session:
+            rows = session.scalars(
+                select(SummaryRow)
+                .where(SummaryRow.conversation_id == conversation_id)
+                .order_by(SummaryRow.id)
+            )
+            return [_summary(row) for row in rows]
 
     # turns ---------------------------------------------------------------------------------
 

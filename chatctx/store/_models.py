@@ -5,7 +5,19 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    false,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -80,6 +92,8 @@ class MessageRow(Base):
     tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     # complete | partial (an interrupted reply)
     status: Mapped[str] = mapped_column(String(20), default="complete")
+    # pinned messages are always sent, right after the system prompt
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     conversation: Mapped[ConversationRow] = relationship(back_populates="messages")
@@ -130,3 +144,29 @@ class TurnRow(Base):
     stop_reason: Mapped[str] = mapped_column(String(20))
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class MessageTokensRow(Base):
+    """Tokens one message adds to a prompt, per tokenizer+template fingerprint."""
+
+    __tablename__ = "message_tokens"
+
+    message_id: Mapped[int] = mapped_column(
+        ForeignKey("messages.id", ondelete="CASCADE"), primary_key=True
+    )
+    tokenizer: Mapped[str] = mapped_column(String(100), primary_key=True)
+    tokens: Mapped[int] = mapped_column(Integer)
+
+
+class ContextStateRow(Base):
+    """Where the sent window starts and which summary precedes it."""
+
+    __tablename__ = "context_states"
+
+    conversation_id: Mapped[str] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), primary_key=True
+    )
+    window_start: Mapped[int] = mapped_column(Integer, default=0)
+    summary_id: Mapped[int | None] = mapped_column(ForeignKey("summaries.id", ondelete="SET NULL"))
+    pending_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

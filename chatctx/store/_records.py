@@ -24,6 +24,7 @@ class Message:
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     created_at: datetime | None = None
+    pinned: bool = False
 
     def to_openai(self) -> dict[str, Any]:
         """The message in OpenAI chat format (only the fields that are set)."""
@@ -72,3 +73,25 @@ class Turn:
     stop_reason: str
     plan: dict[str, Any] | None
     created_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """One version of a conversation's running summary."""
+
+    id: int
+    conversation_id: str
+    content: str
+    covered_message_ids: list[int]  # the messages this version folded in
+    token_count: int | None
+    tokenizer: str | None
+    created_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredContextState:
+    """The context builder's persisted state for one conversation."""
+
+    window_start: int = 0
+    summary: Summary | None = None
+    pending_ids: tuple[int, ...] = ()

@@ -1,0 +1,182 @@
+"""Summarizers fold evicted turns into the running summary.
+
+A summarizer is any callable ``(previous_summary, evicted_messages) -> new_summary``. It sees
+each message once: the builder passes only messages the summary does not cover yet.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from chatctx.errors import ChatctxError
+from chatctx.store import Message
+
+__all__ = ["ExtractiveSummarizer", "LLMSummarizer", "Summarizer", "SummaryError"]
+
+
+class SummaryError(ChatctxError):
+    """A summarizer failed; the previous summary stays."""
+
+
+class Summarizer(Protocol):
+    def __call__(self, previous: str | None, messages: Sequence[Message]) -> str: ...
+
+
+# Identifiers a support conversation must not lose: order/ticket numbers, models, amounts.
+_IDENTIFIER = re.compile(
+    r"\b(?:[A-Z]{1,6}-?\d[\w-]*|\d+[A-Z][\w-]*|#\d[\w-]*|\d{4,})\b"
+    r"|[$€£]\s?\d[\d,.]*|\b[\w.+-]+@[\w-]+\.[\w.]+\b"
+)
+_NUMBER = re.compile(r"\b\d+(?:[.,]\d+)*\b")
+_NAME = re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]{2,}(?:\s[A-Z][a-z]{2,})*\b")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_FACTS = "Facts: "
+_FILLER = re.compile(
+    r"^(hi|hello|hey|thanks|thank you|ok|okay|great|sure|bye)\b[\s!.,]*$", re.IGNORECASE
+)
+
+
+def _score(sentence: str, role: str) -> float:
+    score = 3.0 * len(_IDENTIFIER.findall(sentence)) + 1.0 * len(_NUMBER.findall(sentence))
+    score += 1.5 * len(_NAME.findall(sentence))
+    score += 1.0 if role == "user" else 0.0
+    score += 0.5 if "?" not in sentence else 0.0
+    if _FILLER.match(sentence.strip()):
+        score -= 5.0
+    return score
+
+
+class ExtractiveSummarizer:
+    """Keeps the salient sentences and every identifier, with no model; deterministic.
+
+    The summary is a ``Facts:`` line (order and ticket numbers, models, amounts, e-mail
+    addresses, first seen first) followed by ``Role: sentence`` lines in conversation order.
+    When it grows past ``max_tokens``, the lowest-scoring lines go first, then the oldest facts.
+    """
+
+    def __init__(self, count: Callable[[str], int], *, max_tokens: int = 192) -> None:
+        self.count = count
+        self.max_tokens = max_tokens
+
+    def __call__(self, previous: str | None, messages: Sequence[Message]) -> str:
+        facts: list[str] = []
+        lines: list[tuple[float, int, str]] = []  # (score, order, text)
+        if previous:
+            for index, line in enumerate(previous.splitlines()):
+                if line.startswith(_FACTS):
+                    facts += [f for f in line[len(_FACTS) :].split("; ") if f]
+                elif line.strip():
+                    role, _, text = line.partition(": ")
+                    lines.append((_score(text, role.lower()), index, line))
+        order = len(lines) + 1
+        for message in messages:
+            if message.role not in ("user", "assistant", "tool") or not message.content.strip():
+                continue
+            for found in _IDENTIFIER.findall(message.content):
+                if found not in facts:
+                    facts.append(found)
+            label = message.role.capitalize()
+            for sentence in _SENTENCE.split(message.content):
+                sentence = " ".join(sentence.split())
+                if len(sentence) < 3:
+                    continue
+                score = _score(sentence, message.role)
+                if score > 0:
+                    order += 1
+                    lines.append((score, order, f"{label}: {sentence}"))
+        return self._fit(facts, lines)
+
+    def _fit(self, facts: list[str], lines: list[tuple[float, int, str]]) -> str:
+        def render() -> str:
+            body = [text for _, _, text in sorted(lines, key=lambda item: item[1])]
+            head = [_FACTS + "; ".join(facts)] if facts else []
+            return "\n".join(head + body)
+
+        text = render()
+        # Drop lowest-scoring lines (oldest first among equals), then the oldest facts.
+        by_value = sorted(lines, key=lambda item: (item[0], item[1]))
+        while self.count(text) > self.max_tokens and by_value:
+            lines.remove(by_value.pop(0))
+            text = render()
+        while self.count(text) > self.max_tokens and facts:
+            facts.pop(0)
+            text = render()
+        return text
+
+
+DEFAULT_PROMPT = (
+    "You maintain a running summary of a customer support conversation. Update the summary "
+    "with the new messages. Keep every order number, ticket number, product model, name, "
+    "amount and date exactly as written, and what was decided. Use at most {max_words} words. "
+    "Write only the summary."
+)
+
+
+class LLMSummarizer:
+    """Summarizes with a language model through ``generate(messages) -> text``.
+
+    Evicted messages are folded in chunks of at most ``max_input_tokens`` (counted with
+    ``count``), so a large eviction never produces a prompt the model cannot take.
+    ChatSession wires ``generate`` to the engine's side sequence when there is one.
+    """
+
+    def __init__(
+        self,
+        generate: Callable[[list[dict[str, Any]]], str],
+        *,
+        max_tokens: int = 192,
+        prompt: str = DEFAULT_PROMPT,
+        count: Callable[[str], int] | None = None,
+        max_input_tokens: int = 1024,
+    ) -> None:
+        self.generate = generate
+        self.max_tokens = max_tokens
+        self.prompt = prompt
+        self.count = count or (lambda text: len(text) // 3 + 1)
+        self.max_input_tokens = max_input_tokens
+
+    def request(self, previous: str | None, lines: Sequence[str]) -> list[dict[str, Any]]:
+        transcript = "\n".join(lines)
+        user = (
+            f"Summary so far:\n{previous or '(empty)'}\n\nNew messages:\n{transcript}\n\n"
+            "Updated summary:"
+        )
+        system = self.prompt.format(max_words=max(16, int(self.max_tokens * 0.7)))
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    def _chunks(self, previous: str | None, messages: Sequence[Message]) -> list[list[str]]:
+        room = max(32, self.max_input_tokens - self.max_tokens - self.count(self.prompt))
+        chunks: list[list[str]] = [[]]
+        used = 0
+        for m in messages:
+            if not m.content.strip():
+                continue
+            line = f"{m.role}: {m.content}"
+            n = self.count(line)
+            if n > room:  # one huge message: keep its start and end
+                keep = max(16, len(line) * room // (2 * n))
+                line = line[:keep] + " [...] " + line[-keep:]
+                n = self.count(line)
+            if chunks[-1] and used + n > room:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(line)
+            used += n
+        return [c for c in chunks if c]
+
+    def __call__(self, previous: str | None, messages: Sequence[Message]) -> str:
+        summary = previous
+        for lines in self._chunks(previous, messages):
+            text = self.generate(self.request(summary, lines)).strip()
+            if not text:
+                raise SummaryError("the model returned an empty summary")
+            summary = text
+        if summary is None:
+            raise SummaryError("nothing to summarize")
+        return summary
+
+
+def message_dicts(messages: Sequence[Message]) -> list[Mapping[str, Any]]:
+    return [m.to_openai() for m in messages]
