@@ -61,7 +61,6 @@ class ContextSettings(_Model):
         "instead of raising ContextBudgetError.",
     )
 
-
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> ContextSettings:
         if self.low > self.high:

@@ -200,15 +200,15 @@ class ChatSession:
         settings = self.context_settings
         if self._builder is None or self._builder_settings != settings:
             codec = self.engine.codec()
+            # A summary may take at most a quarter of the budget, so evicting still frees room.
+            summary_max = min(settings.summary_max_tokens, max(16, self.budget()[0] // 4))
             summarizer: Summarizer | None = self._custom_summarizer
             if summarizer is None and settings.summarizer == "extractive":
-                summarizer = ExtractiveSummarizer(
-                    codec.count, max_tokens=settings.summary_max_tokens
-                )
+                summarizer = ExtractiveSummarizer(codec.count, max_tokens=summary_max)
             elif summarizer is None and settings.summarizer == "llm":
                 summarizer = LLMSummarizer(
                     self._summary_generate,
-                    max_tokens=settings.summary_max_tokens,
+                    max_tokens=summary_max,
                     count=codec.count,
                     max_input_tokens=self._summary_input_tokens(),
                 )

@@ -90,6 +90,7 @@ def write_tiny_llama3(
     n_ctx_train: int = 8192,
     seed: int = 0,
     chat_template: str | None = LLAMA3_TEMPLATE,
+    tokenizer_pre: str = "llama-bpe",
 ) -> Path:
     """Write a random-weight Llama-architecture GGUF with the real Llama 3 tokenizer."""
     import gguf
@@ -121,7 +122,7 @@ def write_tiny_llama3(
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_vocab_size(n_vocab)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_tokenizer_pre(tokenizer_pre)
     writer.add_token_list(tokens)
     writer.add_token_types(vocab["tokenizer.ggml.token_type"])
     writer.add_token_merges(vocab["tokenizer.ggml.merges"])

@@ -11,6 +11,7 @@ from chatctx.cli.chat import chat
 from chatctx.cli.conversations import conversations
 from chatctx.cli.db import db
 from chatctx.cli.demo import demo
+from chatctx.cli.inspect import inspect
 from chatctx.cli.models import models
 
 
@@ -27,6 +28,7 @@ cli.add_command(chat)
 cli.add_command(conversations)
 cli.add_command(db)
 cli.add_command(demo)
+cli.add_command(inspect)
 cli.add_command(models)
 
 

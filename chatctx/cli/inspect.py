@@ -1,0 +1,111 @@
+"""``chatctx inspect``: what the context builder sent, and every eviction so far."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import click
+from rich.table import Table
+
+from chatctx.cli._common import (
+    console,
+    db_option,
+    handle_errors,
+    json_option,
+    print_json,
+    resolve_db,
+)
+from chatctx.store import Store
+
+
+def _count(ranges: list[list[int]]) -> int:
+    return sum(last - first + 1 for first, last in ranges)
+
+
+@click.command()
+@click.argument("conversation_id")
+@db_option
+@json_option
+@handle_errors
+def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
+    """Show the conversation's current context plan, summary and eviction history."""
+    with Store(resolve_db(db)) as store:
+        conversation = store.get_conversation(conversation_id)
+        state = store.context_state(conversation_id)
+        turns = store.turns(conversation_id)
+        summaries = store.summaries(conversation_id)
+    plans: list[tuple[int, dict[str, Any]]] = [
+        (number, t.plan) for number, t in enumerate(turns, start=1) if t.plan
+    ]
+    evictions = [(n, p) for n, p in plans if p.get("evicted")]
+    if as_json:
+        print_json(
+            {
+                "conversation": conversation.id,
+                "messages": conversation.message_count,
+                "window_start": state.window_start,
+                "pending_ids": list(state.pending_ids),
+                "summary": asdict(state.summary) if state.summary else None,
+                "summary_versions": len(summaries),
+                "current_plan": plans[-1][1] if plans else None,
+                "evictions": [{"turn": n, **p} for n, p in evictions],
+            }
+        )
+        return
+    console.print(
+        f"[bold]{conversation.id}[/bold] · {conversation.message_count} messages · "
+        f"{len(turns)} turns · window starts at message position {state.window_start}"
+    )
+    if plans:
+        number, plan = plans[-1]
+        sections = plan.get("sections", {})
+        console.print(
+            f"\n[bold]current plan[/bold] (turn {number}, policy {plan.get('policy')}): "
+            f"{plan.get('prompt_tokens')} prompt tokens of budget {plan.get('budget')} "
+            f"(high {plan.get('high_limit')}, low {plan.get('low_limit')}), reserve "
+            f"{plan.get('reserve')}"
+        )
+        console.print("  " + " · ".join(f"{k} {v}" for k, v in sections.items()))
+        console.print(
+            f"  kept {len(plan.get('kept_ids', []))} messages · prompt hash "
+            f"{plan.get('prompt_hash')}"
+        )
+    else:
+        console.print("no turns yet")
+    if state.summary:
+        console.print(
+            f"\n[bold]summary[/bold] (version {len(summaries)}, "
+            f"{state.summary.token_count} tokens):\n{state.summary.content}"
+        )
+    if state.pending_ids:
+        console.print(
+            f"[yellow]{len(state.pending_ids)} evicted messages wait to be "
+            "summarized (the last summary attempt failed)[/yellow]"
+        )
+    if not evictions:
+        console.print("\nno evictions")
+        return
+    table = Table(
+        "turn",
+        "prompt",
+        "evicted",
+        "summarized",
+        "dropped",
+        "summary ms",
+        "reason",
+        title="evictions",
+    )
+    for n, p in evictions:
+        error = p.get("summary_error")
+        table.add_row(
+            str(n),
+            str(p.get("prompt_tokens")),
+            str(_count(p["evicted_ids"])),
+            str(_count(p["summarized_ids"])),
+            str(_count(p["dropped_ids"])),
+            f"{p.get('summary_ms', 0):.0f}",
+            (p.get("reason") or "") + (f" [red]summary failed: {error}[/red]" if error else ""),
+        )
+    console.print()
+    console.print(table)

@@ -1,0 +1,58 @@
+from chatctx.context import ExtractiveSummarizer, LLMSummarizer
+from chatctx.engine._codec import TiktokenCodec
+from chatctx.store import Message
+
+
+def msgs(*pairs: tuple[str, str]) -> list[Message]:
+    return [
+        Message(id=i + 1, conversation_id="c", position=i, role=r, content=c)
+        for i, (r, c) in enumerate(pairs)
+    ]
+
+
+CHAT = msgs(
+    ("user", "Hi there!"),
+    ("assistant", "Hello! How can I help?"),
+    ("user", "My order NH-48213 never arrived. I'm Maria Lopez."),
+    ("assistant", "Sorry Maria. I see order NH-48213 shipped on March 3 via DHL."),
+    ("user", "The router model is AX3000 and it cost $199.99."),
+    ("assistant", "Thanks. I opened ticket T-7781 for a replacement."),
+)
+
+
+def test_extractive_keeps_identifiers_and_is_deterministic(llama3_codec: TiktokenCodec) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=80)
+    first = summarize(None, CHAT)
+    assert first == summarize(None, CHAT)
+    for fact in ("NH-48213", "AX3000", "T-7781", "$199.99"):
+        assert fact in first
+    assert "Hi there" not in first
+    assert llama3_codec.count(first) <= 80
+
+
+def test_extractive_is_incremental_and_bounded(llama3_codec: TiktokenCodec) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=48)
+    summary = summarize(None, CHAT[:4])
+    more = msgs(
+        ("user", "Also my second order NH-50000 is late."),
+        ("assistant", "Noted, NH-50000 ships tomorrow."),
+    )
+    updated = summarize(summary, more)
+    assert "NH-50000" in updated
+    assert llama3_codec.count(updated) <= 48
+
+
+def test_llm_summarizer_folds_chunks() -> None:
+    seen: list[str] = []
+
+    def generate(messages: list[dict]) -> str:
+        seen.append(messages[1]["content"])
+        return f"summary v{len(seen)}"
+
+    long_chat = msgs(*[("user", f"message {i} " + "word " * 50) for i in range(20)])
+    summarizer = LLMSummarizer(
+        generate, max_tokens=32, count=lambda t: len(t.split()), max_input_tokens=300
+    )
+    assert summarizer("old", long_chat) == f"summary v{len(seen)}"
+    assert len(seen) > 1  # too long for one request: folded in chunks
+    assert "Summary so far:\nold" in seen[0] and f"summary v{len(seen) - 1}" in seen[-1]
