@@ -227,7 +227,11 @@ class ContextBuilder:
                 if not trim
                 else f"prompt {total} tokens > budget {budget}"
             )
-            costs = [sum(self.message_tokens(t)) for t in turns]
+            flat = self.message_tokens([m for turn in turns for m in turn])
+            costs, offset = [], 0
+            for turn in turns:
+                costs.append(sum(flat[offset : offset + len(turn)]))
+                offset += len(turn)
             excess = total - low_limit
             while turns and excess > 0:
                 excess -= costs.pop(0)

@@ -61,12 +61,12 @@ class ExtractiveSummarizer:
         self.max_tokens = max_tokens
 
     def __call__(self, previous: str | None, messages: Sequence[Message]) -> str:
-        facts: list[str] = []
+        facts: dict[str, None] = {}  # ordered set: first seen first
         lines: list[tuple[float, int, str]] = []  # (score, order, text)
         if previous:
             for index, line in enumerate(previous.splitlines()):
                 if line.startswith(_FACTS):
-                    facts += [f for f in line[len(_FACTS) :].split("; ") if f]
+                    facts.update(dict.fromkeys(f for f in line[len(_FACTS) :].split("; ") if f))
                 elif line.strip():
                     role, _, text = line.partition(": ")
                     lines.append((_score(text, role.lower()), index, line))
@@ -74,9 +74,7 @@ class ExtractiveSummarizer:
         for message in messages:
             if message.role not in ("user", "assistant", "tool") or not message.content.strip():
                 continue
-            for found in _IDENTIFIER.findall(message.content):
-                if found not in facts:
-                    facts.append(found)
+            facts.update(dict.fromkeys(_IDENTIFIER.findall(message.content)))
             label = message.role.capitalize()
             for sentence in _SENTENCE.split(message.content):
                 sentence = " ".join(sentence.split())
@@ -86,23 +84,39 @@ class ExtractiveSummarizer:
                 if score > 0:
                     order += 1
                     lines.append((score, order, f"{label}: {sentence}"))
-        return self._fit(facts, lines)
+        return self._fit(list(facts), lines)
 
     def _fit(self, facts: list[str], lines: list[tuple[float, int, str]]) -> str:
-        def render() -> str:
+        """Drop the lowest-scoring lines (oldest first among equals), then the oldest facts.
+
+        Per-line counts make this linear; a short exact pass fixes what merging changes.
+        """
+
+        def render(facts: list[str], lines: list[tuple[float, int, str]]) -> str:
             body = [text for _, _, text in sorted(lines, key=lambda item: item[1])]
             head = [_FACTS + "; ".join(facts)] if facts else []
             return "\n".join(head + body)
 
-        text = render()
-        # Drop lowest-scoring lines (oldest first among equals), then the oldest facts.
+        line_cost = {order: self.count(text) + 1 for _, order, text in lines}
+        fact_cost = [self.count(fact) + 1 for fact in facts]
+        total = self.count(_FACTS) + sum(fact_cost) + sum(line_cost.values())
         by_value = sorted(lines, key=lambda item: (item[0], item[1]))
-        while self.count(text) > self.max_tokens and by_value:
-            lines.remove(by_value.pop(0))
-            text = render()
-        while self.count(text) > self.max_tokens and facts:
-            facts.pop(0)
-            text = render()
+        dropped = 0
+        while total > self.max_tokens and dropped < len(by_value):
+            total -= line_cost[by_value[dropped][1]]
+            dropped += 1
+        first_fact = 0
+        while total > self.max_tokens and first_fact < len(facts):
+            total -= fact_cost[first_fact]
+            first_fact += 1
+        kept_lines, kept_facts = by_value[dropped:], facts[first_fact:]
+        text = render(kept_facts, kept_lines)
+        while self.count(text) > self.max_tokens and (kept_lines or kept_facts):
+            if kept_lines:
+                kept_lines = kept_lines[1:]
+            else:
+                kept_facts = kept_facts[1:]
+            text = render(kept_facts, kept_lines)
         return text
 
 

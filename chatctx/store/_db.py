@@ -9,7 +9,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -385,9 +385,21 @@ class Store:
         return found
 
     def put_token_counts(self, fingerprint: str, counts: Mapping[int, int]) -> None:
+        ids = list(counts)
         with self._session() as session:
-            for mid, n in counts.items():
-                session.merge(MessageTokensRow(message_id=mid, tokenizer=fingerprint, tokens=n))
+            for start in range(0, len(ids), 500):
+                chunk = ids[start : start + 500]
+                session.execute(
+                    delete(MessageTokensRow).where(
+                        MessageTokensRow.tokenizer == fingerprint,
+                        MessageTokensRow.message_id.in_(chunk),
+                    )
+                )
+            if ids:
+                session.execute(
+                    insert(MessageTokensRow),
+                    [{"message_id": i, "tokenizer": fingerprint, "tokens": counts[i]} for i in ids],
+                )
 
     # context state and summaries -----------------------------------------------------------
 
