@@ -177,7 +177,7 @@ def chat(smol: Path, turns: int, budget: int, max_tokens: int) -> None:
                     evictions += reply.plan.evicted if reply.plan else 0
                     prompt += u.prompt_tokens
                     evaluated += u.evaluated_tokens
-                    new += reply.plan.sections["new_message"] if reply.plan else 0
+                    new += reply.plan.new_tokens if reply.plan else 0
             wall = time.perf_counter() - t0
             print(
                 f"| {policy} | {errors} | {stable}/{len(users) - 1} "

@@ -50,6 +50,11 @@ class ContextSettings(_Model):
     )
     high: float = Field(1.0, gt=0.0, le=1.0, description="Evict when the prompt exceeds this.")
     low: float = Field(0.6, gt=0.0, le=1.0, description="Evict down to this share of budget.")
+    eviction: Literal["shift", "recompute"] = Field(
+        "shift",
+        description="shift: remove evicted turns from the KV cache in place and move the kept "
+        "ones back (no re-prefill); recompute: re-evaluate everything after the first change.",
+    )
     summarizer: Literal["extractive", "llm", "none"] = Field(
         "extractive", description="What folds evicted turns into the running summary."
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -69,6 +69,7 @@ class ChatSession:
         conversation_id: str,
         seq_id: int = 0,
         summarizer: Summarizer | None = None,
+        on_turn: Callable[[Turn], None] | None = None,
         owns_store: bool = False,
         owns_engine: bool = False,
     ) -> None:
@@ -77,6 +78,7 @@ class ChatSession:
         self.conversation_id = conversation_id
         self.seq_id = seq_id
         self._custom_summarizer = summarizer
+        self.on_turn = on_turn
         self._owns_store = owns_store
         self._owns_engine = owns_engine
         self._builder: ContextBuilder | None = None
@@ -94,6 +96,7 @@ class ChatSession:
         settings: GenerationSettings | Mapping[str, Any] | None = None,
         context: ContextSettings | Mapping[str, Any] | None = None,
         summarizer: Summarizer | None = None,
+        on_turn: Callable[[Turn], None] | None = None,
         engine_options: Mapping[str, Any] | None = None,
         seq_id: int = 0,
     ) -> ChatSession:
@@ -104,6 +107,7 @@ class ChatSession:
         ``system_prompt``, ``settings`` (generation) and ``context`` (budget, policy,
         summarizer), when given, are stored with the conversation. ``summarizer`` is a callable
         ``(previous_summary, evicted_messages) -> summary`` used instead of the configured one.
+        ``on_turn`` is called with each stored turn record (tokens, KV events, timings).
         """
         generation = _settings(settings) if settings is not None else None
         context_settings = _context_settings(context) if context is not None else None
@@ -136,7 +140,8 @@ class ChatSession:
             engine = (
                 model
                 if isinstance(model, Engine)
-                else Engine.load(model, **dict(engine_options or {}))
+                # A spare sequence for side-sequence summaries and in-place reordering.
+                else Engine.load(model, **({"n_seq_max": 2} | dict(engine_options or {})))
             )
         except BaseException:
             if owns_store:
@@ -148,6 +153,7 @@ class ChatSession:
             conversation_id=cid,
             seq_id=seq_id,
             summarizer=summarizer,
+            on_turn=on_turn,
             owns_store=owns_store,
             owns_engine=owns_engine,
         )
@@ -330,7 +336,14 @@ class ChatSession:
         self, text: str, built: BuildResult, settings: GenerationSettings
     ) -> Generator[str, None, None]:
         user = self.store.add_message(self.conversation_id, "user", text)
-        generation = self.engine.generate(built.tokens, seq_id=self.seq_id, settings=settings)
+        sections = built.plan.sections
+        generation = self.engine.generate(
+            built.tokens,
+            seq_id=self.seq_id,
+            settings=settings,
+            eviction=self.context_settings.eviction,
+            history_start=sections["system"] + sections["summary"],
+        )
         try:
             yield from generation
         finally:
@@ -341,6 +354,7 @@ class ChatSession:
         if result is None:  # interrupted before the engine started
             return
         complete = result.stop_reason in ("eog", "length")
+        kv = result.kv
         assistant = None
         if result.text or complete:
             assistant = self.store.add_message(
@@ -366,6 +380,15 @@ class ChatSession:
             total_ms=result.timings.total_ms,
             stop_reason=result.stop_reason,
             plan=plan.to_dict(),
+            new_tokens=plan.new_tokens,
+            evicted_tokens=kv.evicted_tokens if kv else None,
+            shifted_tokens=kv.shifted_tokens if kv else None,
+            shift_count=kv.shift_count if kv else None,
+            eviction_policy=kv.policy if kv else None,
+            kv_fallback=kv.fallback if kv else None,
+            cells_used={str(seq): n for seq, n in self.engine.kv_usage().items()},
+            summary_tokens=plan.sections.get("summary"),
+            summary_ms=plan.summary_ms if plan.evicted else None,
         )
         self.last_reply = Reply(
             text=result.text,
@@ -377,7 +400,21 @@ class ChatSession:
             turn=turn,
             plan=plan,
         )
-        logger.debug("turn %s: %s", turn.id, result.as_dict())
+        logger.debug(
+            "turn %s: prompt %d (new %d, reused %d, evaluated %d), evicted %s, shifted %s, "
+            "cells %s, ttft %s ms",
+            turn.id,
+            turn.prompt_tokens,
+            turn.new_tokens or 0,
+            turn.reused_tokens,
+            turn.evaluated_tokens,
+            turn.evicted_tokens,
+            turn.shifted_tokens,
+            turn.cells_used,
+            turn.ttft_ms,
+        )
+        if self.on_turn is not None:
+            self.on_turn(turn)
 
 
 def _context_settings(value: ContextSettings | Mapping[str, Any]) -> ContextSettings:

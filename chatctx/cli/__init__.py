@@ -13,6 +13,7 @@ from chatctx.cli.db import db
 from chatctx.cli.demo import demo
 from chatctx.cli.inspect import inspect
 from chatctx.cli.models import models
+from chatctx.cli.stats import stats
 
 
 @click.group()
@@ -30,6 +31,7 @@ cli.add_command(db)
 cli.add_command(demo)
 cli.add_command(inspect)
 cli.add_command(models)
+cli.add_command(stats)
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ from chatctx.errors import ChatctxError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-console = Console(highlight=False, soft_wrap=True)
+# Wide enough for the per-turn tables when output goes to a file or a pipe.
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False)
 
 

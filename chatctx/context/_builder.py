@@ -70,6 +70,7 @@ class ContextPlan:
     prompt_tokens: int
     sections: dict[str, int]
     kept_ids: list[int]
+    new_tokens: int = 0  # tokens no earlier prompt had: the new message and the last replies
     evicted_ids: list[int] = field(default_factory=list)
     summarized_ids: list[int] = field(default_factory=list)
     dropped_ids: list[int] = field(default_factory=list)
@@ -262,6 +263,7 @@ class ContextBuilder:
         plan.prompt_tokens = total
         plan.kept_ids = [m.id for turn in turns for m in turn]
         plan.sections = self._sections(head, summary, turns, total, reserve, assemble, new)
+        plan.new_tokens = self._new_tokens(history, plan)
         plan.prompt_hash = hashlib.sha256(
             b"".join(t.to_bytes(4, "little") for t in tokens)
         ).hexdigest()[:16]
@@ -354,6 +356,15 @@ class ContextBuilder:
             )
         plan.truncated = True
         return best
+
+    def _new_tokens(self, history: Sequence[Message], plan: ContextPlan) -> int:
+        # Replies (and tool messages) stored since the last user message were never part of
+        # a prompt; on the first turn everything is new.
+        last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=None)
+        if last_user is None and not history:
+            return plan.prompt_tokens
+        since = history[last_user + 1 :] if last_user is not None else history
+        return plan.sections["new_message"] + sum(self.message_tokens(since))
 
     def _sections(
         self,

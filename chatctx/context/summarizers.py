@@ -51,26 +51,26 @@ def _score(sentence: str, role: str) -> float:
 class ExtractiveSummarizer:
     """Keeps the salient sentences and every identifier, with no model; deterministic.
 
-    The summary is a ``Facts:`` line (order and ticket numbers, models, amounts, e-mail
-    addresses, first seen first) followed by ``Role: sentence`` lines in conversation order.
-    When it grows past ``max_tokens``, the lowest-scoring lines go first, then the oldest facts.
+    Each call appends a block to the previous summary: a ``Facts:`` line with the identifiers
+    not yet in it (order and ticket numbers, models, amounts, e-mail addresses) and the
+    highest-scoring new sentences as ``Role: sentence`` lines. Appending keeps the previous
+    summary a prefix of the new one, so its tokens stay cached in llama.cpp. When the next
+    block does not fit ``max_tokens``, the summary is compacted to ``compact_to`` of it: the
+    oldest lines go (their facts are kept on one ``Facts:`` line first), then the
+    lowest-scoring ones, then the oldest facts.
     """
 
-    def __init__(self, count: Callable[[str], int], *, max_tokens: int = 192) -> None:
+    def __init__(
+        self, count: Callable[[str], int], *, max_tokens: int = 192, compact_to: float = 0.7
+    ) -> None:
         self.count = count
         self.max_tokens = max_tokens
+        self.compact_to = compact_to
 
     def __call__(self, previous: str | None, messages: Sequence[Message]) -> str:
+        previous = (previous or "").strip()
         facts: dict[str, None] = {}  # ordered set: first seen first
-        lines: list[tuple[float, int, str]] = []  # (score, order, text)
-        if previous:
-            for index, line in enumerate(previous.splitlines()):
-                if line.startswith(_FACTS):
-                    facts.update(dict.fromkeys(f for f in line[len(_FACTS) :].split("; ") if f))
-                elif line.strip():
-                    role, _, text = line.partition(": ")
-                    lines.append((_score(text, role.lower()), index, line))
-        order = len(lines) + 1
+        candidates: list[tuple[float, int, str]] = []  # (score, order, text)
         for message in messages:
             if message.role not in ("user", "assistant", "tool") or not message.content.strip():
                 continue
@@ -78,15 +78,56 @@ class ExtractiveSummarizer:
             label = message.role.capitalize()
             for sentence in _SENTENCE.split(message.content):
                 sentence = " ".join(sentence.split())
-                if len(sentence) < 3:
-                    continue
-                score = _score(sentence, message.role)
+                score = _score(sentence, message.role) if len(sentence) >= 3 else 0.0
                 if score > 0:
-                    order += 1
-                    lines.append((score, order, f"{label}: {sentence}"))
-        return self._fit(list(facts), lines)
+                    candidates.append((score, len(candidates), f"{label}: {sentence}"))
+        new_facts = [f for f in facts if f not in previous]
+        if previous:
+            room = self.max_tokens - self.count(previous) - 1
+            block = self._block(new_facts, candidates, room)
+            if block is not None:
+                return f"{previous}\n{block}" if block else previous
+        return self._compact(previous, new_facts, candidates)
 
-    def _fit(self, facts: list[str], lines: list[tuple[float, int, str]]) -> str:
+    def _block(
+        self, facts: list[str], candidates: list[tuple[float, int, str]], room: int
+    ) -> str | None:
+        """The best block that fits ``room`` tokens; None if even the facts do not fit."""
+        head = [_FACTS + "; ".join(facts)] if facts else []
+        used = self.count(head[0]) + 1 if head else 0
+        if used > room:
+            return None
+        chosen: list[tuple[float, int, str]] = []
+        for item in sorted(candidates, key=lambda c: (-c[0], c[1])):
+            cost = self.count(item[2]) + 1
+            if used + cost <= room:
+                chosen.append(item)
+                used += cost
+        lines = head + [text for _, _, text in sorted(chosen, key=lambda c: c[1])]
+        text = "\n".join(lines)
+        while lines and self.count(text) > room:  # merging across lines can add a token
+            lines.pop()
+            text = "\n".join(lines)
+        return text
+
+    def _compact(
+        self, previous: str, new_facts: list[str], candidates: list[tuple[float, int, str]]
+    ) -> str:
+        target = max(16, int(self.max_tokens * self.compact_to))
+        facts: dict[str, None] = {}
+        lines: list[tuple[float, int, str]] = []
+        for index, line in enumerate(previous.splitlines()):
+            if line.startswith(_FACTS):
+                facts.update(dict.fromkeys(f for f in line[len(_FACTS) :].split("; ") if f))
+            elif line.strip():
+                role, _, text = line.partition(": ")
+                lines.append((_score(text, role.lower()), index, line))
+        facts.update(dict.fromkeys(new_facts))
+        base = len(lines)
+        lines += [(score, base + order + 1, text) for score, order, text in candidates]
+        return self._fit(list(facts), lines, target)
+
+    def _fit(self, facts: list[str], lines: list[tuple[float, int, str]], limit: int) -> str:
         """Drop the lowest-scoring lines (oldest first among equals), then the oldest facts.
 
         Per-line counts make this linear; a short exact pass fixes what merging changes.
@@ -102,16 +143,16 @@ class ExtractiveSummarizer:
         total = self.count(_FACTS) + sum(fact_cost) + sum(line_cost.values())
         by_value = sorted(lines, key=lambda item: (item[0], item[1]))
         dropped = 0
-        while total > self.max_tokens and dropped < len(by_value):
+        while total > limit and dropped < len(by_value):
             total -= line_cost[by_value[dropped][1]]
             dropped += 1
         first_fact = 0
-        while total > self.max_tokens and first_fact < len(facts):
+        while total > limit and first_fact < len(facts):
             total -= fact_cost[first_fact]
             first_fact += 1
         kept_lines, kept_facts = by_value[dropped:], facts[first_fact:]
         text = render(kept_facts, kept_lines)
-        while self.count(text) > self.max_tokens and (kept_lines or kept_facts):
+        while self.count(text) > limit and (kept_lines or kept_facts):
             if kept_lines:
                 kept_lines = kept_lines[1:]
             else:

@@ -7,9 +7,9 @@ from chatctx.engine._engine import (
     ModelInfo,
     Timings,
     Usage,
-    common_prefix,
 )
 from chatctx.engine._gguf import model_facts, read_metadata
+from chatctx.engine._kv import KVReport, ReusePlan, common_prefix, plan_reuse
 from chatctx.engine._models import default_model_path, resolve_model_path
 from chatctx.engine._template import BUILTIN_FORMATS, ChatTemplate
 
@@ -19,12 +19,15 @@ __all__ = [
     "Engine",
     "Generation",
     "GenerationResult",
+    "KVReport",
     "ModelInfo",
+    "ReusePlan",
     "Timings",
     "Usage",
     "common_prefix",
     "default_model_path",
     "model_facts",
+    "plan_reuse",
     "read_metadata",
     "resolve_model_path",
 ]

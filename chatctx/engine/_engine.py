@@ -20,6 +20,7 @@ from typing import Any
 from chatctx.config import EngineConfig, GenerationSettings
 from chatctx.engine import _gguf
 from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec
+from chatctx.engine._kv import KVReport, plan_reuse
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._native import NativeContext, NativeModel, Sampler, supports_gpu_offload
 from chatctx.engine._template import BUILTIN_FORMATS, ChatTemplate
@@ -56,6 +57,7 @@ class GenerationResult:
     usage: Usage
     timings: Timings
     stop_reason: str  # eog | length | context_full | interrupted
+    kv: KVReport | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -83,14 +85,6 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class Generation:
     """A running generation: iterate for text chunks; ``result`` is set when it ends.
 
@@ -99,12 +93,19 @@ class Generation:
     """
 
     def __init__(
-        self, engine: Engine, seq_id: int, prompt: Sequence[int], settings: GenerationSettings
+        self,
+        engine: Engine,
+        seq_id: int,
+        prompt: Sequence[int],
+        settings: GenerationSettings,
+        eviction: str = "shift",
+        history_start: int | None = None,
     ) -> None:
         self.result: GenerationResult | None = None
         self.text = ""
+        self.first_token_only = False
         self._iterator: Generator[str, None, None] = engine._run(
-            self, seq_id, list(prompt), settings
+            self, seq_id, list(prompt), settings, eviction, history_start
         )
 
     def __iter__(self) -> Iterator[str]:
@@ -116,8 +117,9 @@ class Generation:
     def close(self) -> None:
         self._iterator.close()
 
-    def wait(self) -> GenerationResult:
-        """Run to the end and return the result."""
+    def wait(self, *, first_token_only: bool = False) -> GenerationResult:
+        """Run to the end and return the result (or stop once the first token is sampled)."""
+        self.first_token_only = first_token_only
         for _ in self._iterator:
             pass
         assert self.result is not None
@@ -301,6 +303,10 @@ class Engine:
         lo, hi = self.context.seq_pos_min(seq_id), self.context.seq_pos_max(seq_id)
         return 0 if hi < 0 else hi - lo + 1
 
+    def kv_usage(self) -> dict[int, int]:
+        """Cells used by every sequence, read from llama.cpp."""
+        return {seq: self.kv_cells(seq) for seq in range(self.config.n_seq_max)}
+
     def clear(self, seq_id: int | None = None) -> None:
         """Forget one sequence (or all) in the KV cache."""
         if seq_id is None:
@@ -313,46 +319,160 @@ class Engine:
 
     # generation ---------------------------------------------------------------------------
 
+    @property
+    def spare_seq(self) -> int | None:
+        """The sequence kept free for side work (summaries, reordering), if there is one."""
+        n = self.config.n_seq_max
+        return n - 1 if n > 1 else None
+
     def generate(
-        self, prompt: Sequence[int], *, seq_id: int = 0, settings: GenerationSettings | None = None
+        self,
+        prompt: Sequence[int],
+        *,
+        seq_id: int = 0,
+        settings: GenerationSettings | None = None,
+        eviction: str = "shift",
+        history_start: int | None = None,
     ) -> Generation:
-        """Start generating after ``prompt`` on ``seq_id``; iterate the result for text."""
+        """Start generating after ``prompt`` on ``seq_id``; iterate the result for text.
+
+        ``eviction="shift"`` reuses cached turns that moved (evicted turns before them are
+        removed and the rest shifted in place); ``"recompute"`` re-evaluates everything after
+        the common prefix. ``history_start`` (where the kept turns begin in the prompt) lets a
+        shift also work when new tokens, such as a changed summary, precede them.
+        """
         if seq_id not in self._mirror:
             raise ConfigError(f"sequence {seq_id} outside 0..{self.config.n_seq_max - 1}")
+        if eviction not in ("shift", "recompute"):
+            raise ConfigError(f"eviction must be 'shift' or 'recompute', not {eviction!r}")
         if not prompt:
             raise GenerationError("empty prompt")
         if len(prompt) >= self.n_ctx:
             raise GenerationError(f"prompt of {len(prompt)} tokens does not fit n_ctx={self.n_ctx}")
-        return Generation(self, seq_id, prompt, settings or GenerationSettings())
+        return Generation(
+            self, seq_id, prompt, settings or GenerationSettings(), eviction, history_start
+        )
 
-    def _prefill(self, seq_id: int, prompt: list[int]) -> tuple[int, int]:
-        """Bring the KV cache of ``seq_id`` to ``prompt``; returns (reused, logits index)."""
+    def prefill(
+        self,
+        prompt: Sequence[int],
+        *,
+        seq_id: int = 0,
+        eviction: str = "shift",
+        history_start: int | None = None,
+    ) -> GenerationResult:
+        """Bring the KV cache to ``prompt`` and sample nothing (teacher-forced replays)."""
+        return self.generate(
+            prompt,
+            seq_id=seq_id,
+            settings=GenerationSettings(max_tokens=1, temperature=0.0),
+            eviction=eviction,
+            history_start=history_start,
+        ).wait(first_token_only=True)
+
+    def _prefill(
+        self, seq_id: int, prompt: list[int], eviction: str, history_start: int | None
+    ) -> tuple[KVReport, int]:
+        """Bring the KV cache of ``seq_id`` to ``prompt``; returns (report, logits index)."""
         mirror = self._mirror[seq_id]
-        # The last prompt token is always evaluated: its logits pick the first reply token.
-        reused = min(common_prefix(mirror, prompt), len(prompt) - 1)
-        self.context.seq_rm(seq_id, reused, -1)
-        del mirror[reused:]
-        index = self.context.decode(seq_id, prompt[reused:], reused, want_last_logits=True)
-        mirror.extend(prompt[reused:])
-        return reused, index
+        ctx = self.context
+        plan = plan_reuse(mirror, prompt, history_start=history_start)
+        fallback = None
+        if plan.chunk is not None:
+            if eviction == "recompute":
+                fallback = "eviction policy is recompute"
+            elif not ctx.can_shift():
+                fallback = "this model's KV cache cannot shift positions"
+            elif plan.inserted and (self.spare_seq in (None, seq_id) or not self.config.kv_unified):
+                fallback = "new tokens precede the kept turns and no spare unified sequence"
+        if plan.chunk is None or fallback is not None:
+            reused = plan.prefix
+            evicted = len(mirror) - reused
+            ctx.seq_rm(seq_id, reused, -1)
+            del mirror[reused:]
+            index = ctx.decode(seq_id, prompt[reused:], reused, want_last_logits=True)
+            mirror.extend(prompt[reused:])
+            report = KVReport(
+                policy=eviction,
+                reused_tokens=reused,
+                evaluated_tokens=len(prompt) - reused,
+                evicted_tokens=evicted,
+                shifted_tokens=0,
+                shift_count=0,
+                fallback=fallback,
+            )
+            return report, index
+        start, end = plan.chunk
+        evicted = len(mirror) - plan.prefix - plan.chunk_len
+        ctx.seq_rm(seq_id, end, -1)  # the old tail (previous reply) goes first
+        if plan.inserted == 0:
+            ctx.seq_rm(seq_id, plan.prefix, start)
+            ctx.seq_add(seq_id, start, end, plan.delta)
+            mirror[:] = mirror[: plan.prefix] + mirror[start:end]
+        else:
+            # llama.cpp only appends at pos_max + 1: park the kept turns on the spare
+            # sequence, evaluate the inserted tokens, then move the turns back behind them.
+            spare = self.spare_seq
+            assert spare is not None
+            ctx.seq_rm(spare, 0, -1)
+            ctx.seq_cp(seq_id, spare, start, end)
+            ctx.seq_rm(seq_id, plan.prefix, -1)
+            kept = mirror[start:end]
+            del mirror[plan.prefix :]
+            try:
+                ctx.decode(
+                    seq_id, prompt[plan.prefix : plan.dest], plan.prefix, want_last_logits=False
+                )
+                mirror.extend(prompt[plan.prefix : plan.dest])
+                ctx.seq_add(spare, start, end, plan.delta)
+                ctx.seq_cp(spare, seq_id, plan.dest, plan.dest + plan.chunk_len)
+                mirror.extend(kept)
+            finally:
+                ctx.seq_rm(spare, 0, -1)
+        index = ctx.decode(seq_id, prompt[plan.resume :], plan.resume, want_last_logits=True)
+        mirror.extend(prompt[plan.resume :])
+        report = KVReport(
+            policy=eviction,
+            reused_tokens=plan.prefix + plan.chunk_len,
+            evaluated_tokens=len(prompt) - plan.prefix - plan.chunk_len,
+            evicted_tokens=evicted,
+            shifted_tokens=plan.chunk_len if plan.delta else 0,
+            shift_count=1 if plan.delta else 0,
+        )
+        logger.debug(
+            "seq %d: kept %d, removed %d, shifted %d by %d, evaluated %d",
+            seq_id,
+            plan.prefix,
+            evicted,
+            plan.chunk_len,
+            plan.delta,
+            report.evaluated_tokens,
+        )
+        return report, index
 
     def _resync(self, seq_id: int) -> None:
         # After a failed decode, drop whatever llama.cpp kept beyond the mirror.
         self.context.seq_rm(seq_id, len(self._mirror[seq_id]), -1)
 
     def _run(
-        self, generation: Generation, seq_id: int, prompt: list[int], settings: GenerationSettings
+        self,
+        generation: Generation,
+        seq_id: int,
+        prompt: list[int],
+        settings: GenerationSettings,
+        eviction: str,
+        history_start: int | None,
     ) -> Generator[str, None, None]:
         t0 = time.perf_counter()
         mirror = self._mirror[seq_id]
         tokens: list[int] = []
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        reused = 0
+        report: KVReport | None = None
         prefill_ms = 0.0
         t_first: float | None = None
         stop = "interrupted"
         try:
-            reused, index = self._prefill(seq_id, prompt)
+            report, index = self._prefill(seq_id, prompt, eviction, history_start)
             prefill_ms = (time.perf_counter() - t0) * 1000
             with Sampler(
                 self.model,
@@ -364,25 +484,29 @@ class Engine:
                 repeat_last_n=settings.repeat_last_n,
                 seed=settings.seed,
             ) as sampler:
-                for _ in range(settings.max_tokens):
+                for step in range(settings.max_tokens):
                     token = sampler.sample(self.context, index)
                     if t_first is None:
                         t_first = time.perf_counter()
+                        if generation.first_token_only:
+                            stop = "length"
+                            break
                     if self.model.is_eog(token):
                         stop = "eog"
                         break
                     tokens.append(token)
                     chunk = decoder.decode(self.model.piece(token))
+                    if chunk:
+                        generation.text += chunk
+                        yield chunk
+                    if step == settings.max_tokens - 1:
+                        stop = "length"  # the last token's logits are never needed
+                        break
                     if len(mirror) >= self.n_ctx:
                         stop = "context_full"
                         break
                     index = self.context.decode(seq_id, [token], len(mirror), want_last_logits=True)
                     mirror.append(token)
-                    if chunk:
-                        generation.text += chunk
-                        yield chunk
-                else:
-                    stop = "length"
             tail = decoder.decode(b"", final=True)
             if tail:
                 generation.text += tail
@@ -393,13 +517,14 @@ class Engine:
         finally:
             t_end = time.perf_counter()
             decode_s = t_end - t_first if t_first is not None else 0.0
+            reused = report.reused_tokens if report else 0
             generation.result = GenerationResult(
                 text=generation.text,
                 tokens=tuple(tokens),
                 usage=Usage(
                     prompt_tokens=len(prompt),
                     reused_tokens=reused,
-                    evaluated_tokens=len(prompt) - reused,
+                    evaluated_tokens=len(prompt) - reused if report else 0,
                     generated_tokens=len(tokens),
                 ),
                 timings=Timings(
@@ -412,4 +537,5 @@ class Engine:
                     total_ms=(t_end - t0) * 1000,
                 ),
                 stop_reason=stop,
+                kv=report,
             )

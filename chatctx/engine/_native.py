@@ -279,6 +279,9 @@ class NativeContext:
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         ll.llama_memory_seq_add(self.memory, seq_id, p0, p1, delta)
 
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        ll.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
     def can_shift(self) -> bool:
         return bool(ll.llama_memory_can_shift(self.memory))
 

@@ -143,6 +143,16 @@ class TurnRow(Base):
     total_ms: Mapped[float] = mapped_column(Float)
     stop_reason: Mapped[str] = mapped_column(String(20))
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # KV-cache events (the monitor)
+    new_tokens: Mapped[int | None] = mapped_column(Integer)
+    evicted_tokens: Mapped[int | None] = mapped_column(Integer)
+    shifted_tokens: Mapped[int | None] = mapped_column(Integer)
+    shift_count: Mapped[int | None] = mapped_column(Integer)
+    eviction_policy: Mapped[str | None] = mapped_column(String(20))
+    kv_fallback: Mapped[str | None] = mapped_column(String(200))
+    cells_used: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    summary_tokens: Mapped[int | None] = mapped_column(Integer)
+    summary_ms: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -73,6 +73,15 @@ class Turn:
     stop_reason: str
     plan: dict[str, Any] | None
     created_at: datetime | None
+    new_tokens: int | None = None
+    evicted_tokens: int | None = None
+    shifted_tokens: int | None = None
+    shift_count: int | None = None
+    eviction_policy: str | None = None
+    kv_fallback: str | None = None
+    cells_used: dict[str, int] | None = None
+    summary_tokens: int | None = None
+    summary_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,102 @@
+"""``chatctx stats``: per-turn KV-cache figures, totals, and a Prometheus exposition."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import click
+from rich.table import Table
+
+from chatctx.cli._common import (
+    console,
+    db_option,
+    handle_errors,
+    json_option,
+    print_json,
+    resolve_db,
+)
+from chatctx.errors import ConfigError
+from chatctx.monitor import prometheus_text, totals
+from chatctx.store import Store
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@click.command()
+@click.argument("conversation_id", required=False)
+@db_option
+@json_option
+@click.option(
+    "--prometheus",
+    is_flag=True,
+    help="Print the Prometheus text exposition (all conversations without an id).",
+)
+@handle_errors
+def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus: bool) -> None:
+    """Show what the KV cache did on every turn of a conversation, with totals.
+
+    Prefill amplification = evaluated / new prompt tokens; cache hit ratio = reused / prompt.
+    """
+    with Store(resolve_db(db)) as store:
+        if prometheus:
+            ids = (
+                [conversation_id] if conversation_id else [c.id for c in store.list_conversations()]
+            )
+            for cid in ids:
+                store.get_conversation(cid)
+            click.echo(prometheus_text({cid: store.turns(cid) for cid in ids}), nl=False)
+            return
+        if conversation_id is None:
+            raise ConfigError("name a conversation (or use --prometheus for all)")
+        store.get_conversation(conversation_id)
+        turns = store.turns(conversation_id)
+    summary = totals(turns)
+    if as_json:
+        print_json(
+            {
+                "conversation": conversation_id,
+                "turns": [asdict(t) | {"turn": i} for i, t in enumerate(turns, start=1)],
+                "totals": summary.as_dict(),
+            }
+        )
+        return
+    table = Table(
+        "turn",
+        "prompt",
+        "new",
+        "reused",
+        "evaluated",
+        "evicted",
+        "shifted",
+        "cells",
+        "TTFT ms",
+        "tok/s",
+        "policy",
+        title=f"KV cache, conversation {conversation_id}",
+    )
+    for i, t in enumerate(turns, start=1):
+        cells = "/".join(str(v) for _, v in sorted((t.cells_used or {}).items()))
+        evicted = bool(t.plan and t.plan.get("evicted"))
+        table.add_row(
+            str(i),
+            str(t.prompt_tokens),
+            _fmt(t.new_tokens),
+            str(t.reused_tokens),
+            str(t.evaluated_tokens),
+            _fmt(t.evicted_tokens),
+            _fmt(t.shifted_tokens),
+            cells,
+            _fmt(t.ttft_ms),
+            _fmt(t.decode_tokens_per_s, ".1f"),
+            (t.eviction_policy or "-") + (" *" if evicted else ""),
+        )
+    console.print(table)
+    console.print(
+        f"{summary.turns} turns · prefill amplification "
+        f"{_fmt(summary.prefill_amplification, '.2f')} · cache hit ratio "
+        f"{_fmt(summary.cache_hit_ratio, '.2f')} · evictions {summary.evictions} · shifted "
+        f"{summary.shifted_tokens} tokens in {summary.shift_count} shifts · TTFT p50 "
+        f"{_fmt(summary.ttft_p50_ms)} ms, p95 {_fmt(summary.ttft_p95_ms)} ms  (* = evicted)"
+    )

@@ -1,0 +1,70 @@
+"""Aggregates over per-turn records: prefill amplification, cache hit ratio, TTFT quantiles."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from chatctx.store import Turn
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    turns: int
+    prompt_tokens: int
+    new_tokens: int
+    reused_tokens: int
+    evaluated_tokens: int
+    generated_tokens: int
+    evicted_tokens: int
+    shifted_tokens: int
+    shift_count: int
+    evictions: int
+    summary_ms: float
+    prefill_amplification: float | None  # evaluated / new tokens; 1.0 is the floor
+    cache_hit_ratio: float | None  # reused / prompt tokens
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    decode_tokens_per_s: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def totals(turns: Sequence[Turn]) -> Totals:
+    """Sum and summarize a conversation's (or any set of) turns."""
+    prompt = sum(t.prompt_tokens for t in turns)
+    new = sum(t.new_tokens or 0 for t in turns)
+    reused = sum(t.reused_tokens for t in turns)
+    evaluated = sum(t.evaluated_tokens for t in turns)
+    ttfts = [t.ttft_ms for t in turns if t.ttft_ms is not None]
+    rates = [t.decode_tokens_per_s for t in turns if t.decode_tokens_per_s]
+    return Totals(
+        turns=len(turns),
+        prompt_tokens=prompt,
+        new_tokens=new,
+        reused_tokens=reused,
+        evaluated_tokens=evaluated,
+        generated_tokens=sum(t.generated_tokens for t in turns),
+        evicted_tokens=sum(t.evicted_tokens or 0 for t in turns),
+        shifted_tokens=sum(t.shifted_tokens or 0 for t in turns),
+        shift_count=sum(t.shift_count or 0 for t in turns),
+        evictions=sum(1 for t in turns if t.plan and t.plan.get("evicted")),
+        summary_ms=sum(t.summary_ms or 0.0 for t in turns),
+        prefill_amplification=evaluated / new if new else None,
+        cache_hit_ratio=reused / prompt if prompt else None,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p95_ms=percentile(ttfts, 95),
+        decode_tokens_per_s=sum(rates) / len(rates) if rates else None,
+    )
