@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -229,14 +229,30 @@ class ChatSession:
         return self._builder
 
     def budget(self) -> tuple[int, int]:
-        """(prompt token budget, tokens reserved for the reply)."""
+        """(prompt token budget, tokens reserved for the reply).
+
+        With the LLM summarizer on a spare sequence of a unified KV cache, the summary request
+        shares the cells: its room is kept out of the chat's budget.
+        """
         settings = self.context_settings
         reserve = settings.reserve if settings.reserve is not None else self.settings.max_tokens
-        limit = self.engine.n_ctx - reserve
+        limit = self.engine.n_ctx - reserve - self._side_room()
         budget = min(settings.budget, limit) if settings.budget is not None else limit
         if budget < 16:
-            raise ConfigError(f"no room for a prompt: n_ctx {self.engine.n_ctx}, reserve {reserve}")
+            raise ConfigError(
+                f"no room for a prompt: n_ctx {self.engine.n_ctx}, reserve {reserve}, "
+                f"summary room {self._side_room()}"
+            )
         return budget, reserve
+
+    def _side_room(self) -> int:
+        settings = self.context_settings
+        spare = self.engine.spare_seq
+        if settings.summarizer != "llm" or spare is None or spare == self.seq_id:
+            return 0
+        if not self.engine.config.kv_unified:
+            return 0  # split streams: the spare sequence has cells of its own
+        return self._summary_input_tokens() + settings.summary_max_tokens
 
     def plan(self, new_message: str) -> BuildResult:
         """Build the context for ``new_message`` without sending or storing anything.
@@ -267,7 +283,8 @@ class ChatSession:
         )
 
     def _summary_input_tokens(self) -> int:
-        return max(64, self.engine.n_ctx - self.context_settings.summary_max_tokens - 128)
+        # Evicted turns are folded in chunks of this many tokens.
+        return max(128, min(1024, self.engine.n_ctx // 4))
 
     def _summary_generate(self, messages: list[dict[str, Any]]) -> str:
         """Run the summary prompt on a side sequence when the engine has one.
@@ -310,9 +327,32 @@ class ChatSession:
 
         Raises ``ContextBudgetError`` before storing anything when the prompt cannot fit.
         """
+        built = self._prepare(text)
+        return self._stream(text, built, self.settings)
+
+    def record_turn(self, text: str, reply: str) -> Reply:
+        """A teacher-forced turn: fit and prefill the context, then store ``reply`` as given.
+
+        Nothing is generated: this measures context and KV-cache behaviour (replaying logged
+        conversations). TTFT is the time until the first token could have been sampled.
+        """
+        built = self._prepare(text)
+        user = self.store.add_message(self.conversation_id, "user", text)
+        sections = built.plan.sections
+        result = self.engine.prefill(
+            built.tokens,
+            seq_id=self.seq_id,
+            eviction=self.context_settings.eviction,
+            history_start=sections["system"] + sections["summary"],
+        )
+        self._finish(user, replace(result, text=reply), built.plan)
+        assert self.last_reply is not None
+        return self.last_reply
+
+    def _prepare(self, text: str) -> BuildResult:
+        """Build the context for ``text`` and persist what the builder decided."""
         if not text.strip():
             raise ConfigError("empty message")
-        settings = self.settings
         built = self._build(text)  # raises ContextBudgetError before anything is stored
         plan = built.plan
         if plan.evicted or built.state.pending_ids:
@@ -330,7 +370,7 @@ class ChatSession:
                 pending_ids=built.state.pending_ids,
                 new_summary=new_summary,
             )
-        return self._stream(text, built, settings)
+        return built
 
     def _stream(
         self, text: str, built: BuildResult, settings: GenerationSettings

@@ -123,6 +123,7 @@ class ContextBuilder:
         self._counts: dict[int, int] = {}
         self._clock = clock
         self._anchor_tokens: int | None = None
+        self._gen_prompt_tokens: int | None = None
 
     # counting -----------------------------------------------------------------------------
 
@@ -364,7 +365,19 @@ class ContextBuilder:
         if last_user is None and not history:
             return plan.prompt_tokens
         since = history[last_user + 1 :] if last_user is not None else history
-        return plan.sections["new_message"] + sum(self.message_tokens(since))
+        new = plan.sections["new_message"] + sum(self.message_tokens(since))
+        if since and since[0].role == "assistant" and last_user is not None:
+            # The previous prompt already ended with the assistant header (the generation
+            # prompt): those tokens were sent before.
+            new -= self._generation_prompt_tokens()
+        return new
+
+    def _generation_prompt_tokens(self) -> int:
+        if self._gen_prompt_tokens is None:
+            self._gen_prompt_tokens = self.count_messages([_ANCHOR]) - self.count_messages(
+                [_ANCHOR], add_generation_prompt=False
+            )
+        return self._gen_prompt_tokens
 
     def _sections(
         self,

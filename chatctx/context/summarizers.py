@@ -85,8 +85,16 @@ class ExtractiveSummarizer:
         if previous:
             room = self.max_tokens - self.count(previous) - 1
             block = self._block(new_facts, candidates, room)
-            if block is not None:
-                return f"{previous}\n{block}" if block else previous
+            if block:
+                return f"{previous}\n{block}"
+            # Nothing fits. Rewriting costs a re-evaluation of the whole summary, so only
+            # compact for something worth keeping: a new fact, or a sentence with one.
+            salient = any(
+                score >= 3.0 and text.partition(": ")[2] not in previous
+                for score, _, text in candidates
+            )
+            if block is not None and not salient:
+                return previous
         return self._compact(previous, new_facts, candidates)
 
     def _block(
@@ -202,7 +210,9 @@ class LLMSummarizer:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def _chunks(self, previous: str | None, messages: Sequence[Message]) -> list[list[str]]:
-        room = max(32, self.max_input_tokens - self.max_tokens - self.count(self.prompt))
+        # The request holds the instructions, the summary so far and one chunk of messages.
+        overhead = self.count(self.prompt) + self.max_tokens + 64
+        room = max(32, self.max_input_tokens - overhead - self.count(previous or ""))
         chunks: list[list[str]] = [[]]
         used = 0
         for m in messages:

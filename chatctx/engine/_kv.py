@@ -54,13 +54,28 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _find(haystack: Sequence[int], needle: Sequence[int], start: int) -> int:
-    first = needle[0]
-    n = len(needle)
-    for i in range(start, len(haystack) - n + 1):
-        if haystack[i] == first and list(haystack[i : i + n]) == list(needle):
-            return i
-    return -1
+def _best_match(
+    cached: Sequence[int], prompt: Sequence[int], dest: int, start: int, limit: int, min_chunk: int
+) -> tuple[int, int]:
+    """The cached run at or after ``start`` matching ``prompt[dest:]`` longest: (at, length).
+
+    Repeated text can occur several times in a cache; the longest run wins, then the latest.
+    """
+    anchor = list(prompt[dest : dest + min_chunk])
+    best_at, best_len = -1, 0
+    for at in range(start, len(cached) - min_chunk + 1):
+        if cached[at] != anchor[0] or list(cached[at : at + min_chunk]) != anchor:
+            continue
+        length = min_chunk
+        while (
+            at + length < len(cached)
+            and dest + length < limit
+            and cached[at + length] == prompt[dest + length]
+        ):
+            length += 1
+        if length >= best_len:
+            best_at, best_len = at, length
+    return best_at, best_len
 
 
 def plan_reuse(
@@ -83,22 +98,15 @@ def plan_reuse(
     starts = [prefix]
     if history_start is not None and prefix < history_start < limit:
         starts.append(history_start)
+    best = ReusePlan(prefix=prefix)
     for dest in starts:
-        anchor = prompt[dest : dest + min_chunk]
-        if len(anchor) < min_chunk or dest + min_chunk > limit:
+        if dest + min_chunk > limit:
             continue
-        at = _find(cached, anchor, prefix + 1 if dest == prefix else prefix)
-        if at < 0:
-            continue
-        length = min_chunk
-        while (
-            at + length < len(cached)
-            and dest + length < limit
-            and cached[at + length] == prompt[dest + length]
-        ):
-            length += 1
-        return ReusePlan(prefix=prefix, chunk=(at, at + length), dest=dest)
-    return ReusePlan(prefix=prefix)
+        start = prefix + 1 if dest == prefix else prefix
+        at, length = _best_match(cached, prompt, dest, start, limit, min_chunk)
+        if at >= 0 and length > best.chunk_len:
+            best = ReusePlan(prefix=prefix, chunk=(at, at + length), dest=dest)
+    return best
 
 
 @dataclass(frozen=True, slots=True)
