@@ -133,10 +133,8 @@ def test_generation_after_a_shift_is_coherent_on_smollm2(db_url: str, smollm2_pa
             chat.send(f"My router model AX{i}00 drops wifi, what should I try?") for i in range(12)
         ]
         assert_mirror_matches_kv(engine)
-    after_shift = [
-        b for a, b in zip(replies, replies[1:], strict=False) if a.turn and a.turn.shifted_tokens
-    ]
-    assert any(r.turn and r.turn.shifted_tokens for r in replies)
+    # A turn's reply is generated right after its own prefill shifted the cache.
+    after_shift = [r for r in replies if r.turn and r.turn.shifted_tokens]
     assert all(r.text.strip() for r in replies)
     assert after_shift and all(r.text.strip() for r in after_shift)
 
