@@ -55,7 +55,7 @@ class ImportFormatError(StoreError):
     """A JSON Lines record could not be read; ``line`` is 1-based."""
 
     def __init__(self, message: str, *, line: int, source: str = "<input>") -> None:
-        super().__init__(f"{source}:{line}: {message}")
+        super().__init__(f"{source}:{line}: {message}" if line > 0 else f"{source}: {message}")
         self.line = line
         self.source = source
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -26,9 +26,8 @@ from chatctx.context import (
     ContextBuilder,
     ContextPlan,
     ContextState,
-    ExtractiveSummarizer,
-    LLMSummarizer,
     Summarizer,
+    summarizer_for,
 )
 from chatctx.engine import Engine, GenerationResult, Timings, Usage
 from chatctx.errors import ConfigError
@@ -84,6 +83,7 @@ class ChatSession:
         self._builder: ContextBuilder | None = None
         self._builder_settings: ContextSettings | None = None
         self.last_reply: Reply | None = None
+        self.last_build: BuildResult | None = None  # the context sent on the last turn
 
     @classmethod
     def open(
@@ -206,18 +206,14 @@ class ChatSession:
         settings = self.context_settings
         if self._builder is None or self._builder_settings != settings:
             codec = self.engine.codec()
-            # A summary may take at most a quarter of the budget, so evicting still frees room.
-            summary_max = min(settings.summary_max_tokens, max(16, self.budget()[0] // 4))
-            summarizer: Summarizer | None = self._custom_summarizer
-            if summarizer is None and settings.summarizer == "extractive":
-                summarizer = ExtractiveSummarizer(codec.count, max_tokens=summary_max)
-            elif summarizer is None and settings.summarizer == "llm":
-                summarizer = LLMSummarizer(
-                    self._summary_generate,
-                    max_tokens=summary_max,
-                    count=codec.count,
-                    max_input_tokens=self._summary_input_tokens(),
-                )
+            summarizer: Summarizer | None = self._custom_summarizer or summarizer_for(
+                settings.summarizer,
+                count=codec.count,
+                max_tokens=settings.summary_max_tokens,
+                budget=self.budget()[0],
+                generate=self._summary_generate,
+                max_input_tokens=self._summary_input_tokens(),
+            )
             self._builder = ContextBuilder(
                 codec,
                 settings,
@@ -330,11 +326,13 @@ class ChatSession:
         built = self._prepare(text)
         return self._stream(text, built, self.settings)
 
-    def record_turn(self, text: str, reply: str) -> Reply:
+    def record_turn(self, text: str, reply: str | Sequence[Mapping[str, Any]]) -> Reply:
         """A teacher-forced turn: fit and prefill the context, then store ``reply`` as given.
 
         Nothing is generated: this measures context and KV-cache behaviour (replaying logged
         conversations). TTFT is the time until the first token could have been sampled.
+        ``reply`` is the assistant's text, or the logged messages answering ``text`` (OpenAI
+        format: assistant tool calls, tool results, the final answer).
         """
         built = self._prepare(text)
         user = self.store.add_message(self.conversation_id, "user", text)
@@ -345,8 +343,22 @@ class ChatSession:
             eviction=self.context_settings.eviction,
             history_start=sections["system"] + sections["summary"],
         )
-        self._finish(user, replace(result, text=reply), built.plan)
+        logged = (
+            [{"role": "assistant", "content": reply}]
+            if isinstance(reply, str)
+            else [dict(m) for m in reply]
+        )
+        first_text = next((m["content"] for m in logged if m["role"] == "assistant"), "")
+        if logged and logged[0]["role"] == "assistant" and not logged[0].get("tool_calls"):
+            self._finish(user, replace(result, text=logged[0]["content"]), built.plan)
+            logged = logged[1:]
+        else:  # the turn record points at no single assistant message
+            self._finish(user, replace(result, text=""), built.plan, store_reply=False)
+        if logged:
+            self.store.add_messages(self.conversation_id, logged)
         assert self.last_reply is not None
+        if first_text != self.last_reply.text:
+            self.last_reply = replace(self.last_reply, text=first_text)
         return self.last_reply
 
     def _prepare(self, text: str) -> BuildResult:
@@ -354,6 +366,7 @@ class ChatSession:
         if not text.strip():
             raise ConfigError("empty message")
         built = self._build(text)  # raises ContextBudgetError before anything is stored
+        self.last_build = built
         plan = built.plan
         if plan.evicted or built.state.pending_ids:
             new_summary = None
@@ -390,13 +403,20 @@ class ChatSession:
             generation.close()
             self._finish(user, generation.result, built.plan)
 
-    def _finish(self, user: Message, result: GenerationResult | None, plan: ContextPlan) -> None:
+    def _finish(
+        self,
+        user: Message,
+        result: GenerationResult | None,
+        plan: ContextPlan,
+        *,
+        store_reply: bool = True,
+    ) -> None:
         if result is None:  # interrupted before the engine started
             return
         complete = result.stop_reason in ("eog", "length")
         kv = result.kv
         assistant = None
-        if result.text or complete:
+        if store_reply and (result.text or complete):
             assistant = self.store.add_message(
                 self.conversation_id,
                 "assistant",

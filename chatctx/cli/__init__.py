@@ -13,7 +13,9 @@ from chatctx.cli.db import db
 from chatctx.cli.demo import demo
 from chatctx.cli.inspect import inspect
 from chatctx.cli.models import models
+from chatctx.cli.replay import replay, tune
 from chatctx.cli.stats import stats
+from chatctx.cli.synth import synth
 
 
 @click.group()
@@ -31,7 +33,10 @@ cli.add_command(db)
 cli.add_command(demo)
 cli.add_command(inspect)
 cli.add_command(models)
+cli.add_command(replay)
 cli.add_command(stats)
+cli.add_command(synth)
+cli.add_command(tune)
 
 
 def main() -> None:

@@ -15,6 +15,8 @@ from chatctx.context.summarizers import (
     LLMSummarizer,
     Summarizer,
     SummaryError,
+    summarizer_for,
+    summary_limit,
 )
 
 __all__ = [
@@ -31,4 +33,6 @@ __all__ = [
     "TokenCache",
     "group_turns",
     "id_ranges",
+    "summarizer_for",
+    "summary_limit",
 ]

@@ -29,6 +29,11 @@ _IDENTIFIER = re.compile(
     r"\b(?:[A-Z]{1,6}-?\d[\w-]*|\d+[A-Z][\w-]*|#\d[\w-]*|\d{4,})\b"
     r"|[$€£]\s?\d[\d,.]*|\b[\w.+-]+@[\w-]+\.[\w.]+\b"
 )
+# People introducing themselves: "my name is Maria Lopez", "I'm Jonas".
+_INTRODUCED = re.compile(
+    r"\b(?:[Mm]y name is|[Nn]ame's|I am|I'm|[Tt]his is|[Cc]all me)\s+"
+    r"([A-Z][a-z]+(?:\s[A-Z][a-z]+)?)\b"
+)
 _NUMBER = re.compile(r"\b\d+(?:[.,]\d+)*\b")
 _NAME = re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]{2,}(?:\s[A-Z][a-z]{2,})*\b")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -38,8 +43,12 @@ _FILLER = re.compile(
 )
 
 
+def _facts_in(text: str) -> list[str]:
+    return _IDENTIFIER.findall(text) + _INTRODUCED.findall(text)
+
+
 def _score(sentence: str, role: str) -> float:
-    score = 3.0 * len(_IDENTIFIER.findall(sentence)) + 1.0 * len(_NUMBER.findall(sentence))
+    score = 3.0 * len(_facts_in(sentence)) + 1.0 * len(_NUMBER.findall(sentence))
     score += 1.5 * len(_NAME.findall(sentence))
     score += 1.0 if role == "user" else 0.0
     score += 0.5 if "?" not in sentence else 0.0
@@ -74,7 +83,7 @@ class ExtractiveSummarizer:
         for message in messages:
             if message.role not in ("user", "assistant", "tool") or not message.content.strip():
                 continue
-            facts.update(dict.fromkeys(_IDENTIFIER.findall(message.content)))
+            facts.update(dict.fromkeys(_facts_in(message.content)))
             label = message.role.capitalize()
             for sentence in _SENTENCE.split(message.content):
                 sentence = " ".join(sentence.split())
@@ -245,3 +254,30 @@ class LLMSummarizer:
 
 def message_dicts(messages: Sequence[Message]) -> list[Mapping[str, Any]]:
     return [m.to_openai() for m in messages]
+
+
+def summary_limit(max_tokens: int, budget: int) -> int:
+    """A summary may take at most a quarter of the budget, so evicting still frees room."""
+    return min(max_tokens, max(16, budget // 4))
+
+
+def summarizer_for(
+    kind: str,
+    *,
+    count: Callable[[str], int],
+    max_tokens: int,
+    budget: int,
+    generate: Callable[[list[dict[str, Any]]], str] | None = None,
+    max_input_tokens: int = 1024,
+) -> Summarizer | None:
+    """The summarizer a ``ContextSettings.summarizer`` value names (None for "none")."""
+    limit = summary_limit(max_tokens, budget)
+    if kind == "extractive":
+        return ExtractiveSummarizer(count, max_tokens=limit)
+    if kind == "llm":
+        if generate is None:
+            raise SummaryError("the llm summarizer needs a loaded model")
+        return LLMSummarizer(
+            generate, max_tokens=limit, count=count, max_input_tokens=max_input_tokens
+        )
+    return None

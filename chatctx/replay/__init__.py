@@ -1,0 +1,26 @@
+"""Replaying logged conversations and tuning budgets and policies."""
+
+from chatctx.replay._input import LoggedConversation, Probe, parse_logged, read_logs
+from chatctx.replay._run import (
+    ConversationReport,
+    ReplayConfig,
+    Replayer,
+    TurnReport,
+    replay_all,
+    summarize,
+    turn_rows,
+)
+
+__all__ = [
+    "ConversationReport",
+    "LoggedConversation",
+    "Probe",
+    "ReplayConfig",
+    "Replayer",
+    "TurnReport",
+    "parse_logged",
+    "read_logs",
+    "replay_all",
+    "summarize",
+    "turn_rows",
+]
