@@ -36,16 +36,16 @@ from chatctx.synthetic import support_conversation
 def synth(count: int, turns: int, seed: int, output: Path | None) -> None:
     """Write synthetic support chats (OpenAI JSON Lines) with fact probes for replay/tune."""
 
-    def write(out: TextIO) -> None:
+    def emit(out: TextIO) -> None:
         for i in range(count):
             conv = support_conversation(turns, seed=seed + i, conversation_id=f"synth-{seed + i}")
             out.write(json.dumps(conv, ensure_ascii=False) + "\n")
 
     if output is None:
-        write(click.get_text_stream("stdout"))
+        emit(click.get_text_stream("stdout"))
     elif output.suffix == ".gz":
         with gzip.open(output, "wt", encoding="utf-8") as f:
-            write(f)
+            emit(f)
     else:
         with output.open("w", encoding="utf-8") as f:
-            write(f)
+            emit(f)
