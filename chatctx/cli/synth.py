@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 from typing import TextIO
 
@@ -42,7 +43,7 @@ def synth(count: int, turns: int, seed: int, output: Path | None) -> None:
             out.write(json.dumps(conv, ensure_ascii=False) + "\n")
 
     if output is None:
-        emit(click.get_text_stream("stdout"))
+        emit(sys.stdout)
     elif output.suffix == ".gz":
         with gzip.open(output, "wt", encoding="utf-8") as f:
             emit(f)
