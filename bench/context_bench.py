@@ -131,14 +131,15 @@ def builder_latency(llama3: Path, n_messages: int = 10_000, turns: int = 200) ->
     )
 
 
-def chat(smol: Path, turns: int, budget: int, max_tokens: int) -> None:
+def chat(smol: Path, turns: int, budget: int, max_tokens: int, eviction: str) -> None:
     print(f"\n## C. {turns}-turn synthetic support chat through SmolLM2, prompt budget {budget}")
     conv = support_conversation(turns, seed=7)
     users = [m["content"] for m in conv["messages"] if m["role"] == "user"]
     total_chars = sum(len(m["content"]) for m in conv["messages"])
     print(
         f"(logged conversation: {total_chars:,} characters; replies generated, "
-        f"max_tokens {max_tokens}, temperature 0.7, seed 1)"
+        f"max_tokens {max_tokens}, temperature 0.7, seed 1, eviction {eviction}; a turn is "
+        "prefix-stable when its prompt extends the previous prompt)"
     )
     print(
         "| policy | context errors | prefix-stable turns | evictions | prompt tokens | "
@@ -161,7 +162,7 @@ def chat(smol: Path, turns: int, budget: int, max_tokens: int) -> None:
                 model=engine,
                 system_prompt=conv["messages"][0]["content"],
                 settings={"max_tokens": max_tokens, "seed": 1},
-                context={"policy": policy, "budget": budget},
+                context={"policy": policy, "budget": budget, "eviction": eviction},
             ) as session:
                 for text in users:
                     try:
@@ -171,9 +172,10 @@ def chat(smol: Path, turns: int, budget: int, max_tokens: int) -> None:
                         print(f"  error: {exc}")
                         continue
                     u = reply.usage
-                    if previous is not None and u.reused_tokens >= previous:
+                    tokens = session.last_build.tokens if session.last_build else []
+                    if previous is not None and tokens[: len(previous)] == previous:
                         stable += 1
-                    previous = u.prompt_tokens
+                    previous = list(tokens)
                     evictions += reply.plan.evicted if reply.plan else 0
                     prompt += u.prompt_tokens
                     evaluated += u.evaluated_tokens
@@ -192,6 +194,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--skip-chat", action="store_true")
+    parser.add_argument("--eviction", choices=["shift", "recompute"], default="recompute")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llama3 = write_tiny_llama3(Path(tmp) / "tiny-llama3.gguf")
@@ -199,7 +202,7 @@ def main() -> None:
         counting({"tiny Llama 3 (128k vocab)": llama3, "SmolLM2 (49k vocab)": smol})
         builder_latency(llama3)
         if not args.skip_chat:
-            chat(smol, args.turns, args.budget, args.max_tokens)
+            chat(smol, args.turns, args.budget, args.max_tokens, args.eviction)
 
 
 if __name__ == "__main__":
