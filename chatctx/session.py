@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from pydantic import ValidationError
 
+from chatctx._resource import Closeable
 from chatctx.config import ContextSettings, GenerationSettings
 from chatctx.context import (
     BuildResult,
@@ -52,7 +52,7 @@ class Reply:
     plan: ContextPlan | None = None
 
 
-class ChatSession:
+class ChatSession(Closeable):
     """A conversation stored in a ``Store`` and answered by an ``Engine``.
 
     The user message is committed before generation starts; the assistant message when it
@@ -165,17 +165,6 @@ class ChatSession:
             self.engine.close()
         if self._owns_store:
             self.store.close()
-
-    def __enter__(self) -> ChatSession:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # state --------------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from chatctx._resource import Closeable
 from chatctx.config import EngineConfig, GenerationSettings
 from chatctx.engine import _gguf
 from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec
@@ -126,7 +126,7 @@ class Generation:
         return self.result
 
 
-class Engine:
+class Engine(Closeable):
     """llama.cpp with a Llama-3-style GGUF: tokenizer, chat template and KV sequences.
 
     Use as a context manager; ``close()`` frees the context, then the model.
@@ -207,17 +207,6 @@ class Engine:
 
     def close(self) -> None:
         self._stack.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # facts --------------------------------------------------------------------------------
 

@@ -14,11 +14,11 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import llama_cpp.llama_cpp as ll
 
+from chatctx._resource import Closeable
 from chatctx.errors import GenerationError, KVCacheError, ModelError
 
 logger = logging.getLogger("chatctx.llama")
@@ -327,7 +327,7 @@ class NativeContext:
         return list(ptr[:n_vocab])
 
 
-class Sampler:
+class Sampler(Closeable):
     """A llama.cpp sampler chain (one per generation, so random state never interleaves)."""
 
     def __init__(
@@ -371,14 +371,3 @@ class Sampler:
         if self.ptr is not None:
             ll.llama_sampler_free(self.ptr)
             self.ptr = None
-
-    def __enter__(self) -> Sampler:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from chatctx._resource import Closeable
 from chatctx.config import ContextSettings, GenerationSettings, _Model
-from chatctx.context import ContextBuilder, ContextState, summarizer_for
+from chatctx.context import ContextBuilder, ContextPlan, ContextState, summarizer_for
 from chatctx.engine import Engine, plan_reuse
 from chatctx.engine._codec import PromptCodec, open_codec
 from chatctx.errors import ChatctxError, ConfigError, ModelError
@@ -129,7 +130,7 @@ def _retained(fact: str, messages: Sequence[dict[str, Any]]) -> bool:
     return any(needle in str(m.get("content", "")).casefold() for m in messages)
 
 
-class Replayer:
+class Replayer(Closeable):
     """Replays conversations under one configuration; reuse it for many conversations.
 
     Use as a context manager: a teacher-forced or regenerating replayer owns an engine.
@@ -175,12 +176,6 @@ class Replayer:
     def close(self) -> None:
         if self._owns_engine and self._engine is not None:
             self._engine.close()
-
-    def __enter__(self) -> Replayer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def replay(
         self, conversation: LoggedConversation, on_turn: Callable[[TurnReport], None] | None = None
@@ -250,21 +245,14 @@ class Replayer:
                 self._record(
                     report,
                     on_turn,
-                    TurnReport(
-                        conversation=cid,
-                        turn=index + 1,
-                        prompt_tokens=t.prompt_tokens,
-                        new_tokens=plan.new_tokens,
-                        reused_tokens=t.reused_tokens,
-                        evaluated_tokens=t.evaluated_tokens,
-                        evicted_tokens=t.evicted_tokens or 0,
-                        shifted_tokens=t.shifted_tokens or 0,
+                    _turn_report(
+                        cid,
+                        index,
+                        plan,
+                        reused=t.reused_tokens,
+                        evicted=t.evicted_tokens or 0,
+                        shifted=t.shifted_tokens or 0,
                         ttft_ms=t.ttft_ms,
-                        kept=len(plan.kept_ids),
-                        summarized=len(plan.summarized_ids),
-                        dropped=len(plan.dropped_ids),
-                        evicted=plan.evicted,
-                        summary_tokens=plan.sections.get("summary", 0),
                     ),
                 )
 
@@ -340,23 +328,38 @@ class Replayer:
             self._record(
                 report,
                 on_turn,
-                TurnReport(
-                    conversation=cid,
-                    turn=index + 1,
-                    prompt_tokens=plan.prompt_tokens,
-                    new_tokens=plan.new_tokens,
-                    reused_tokens=reused,
-                    evaluated_tokens=plan.prompt_tokens - reused,
-                    evicted_tokens=evicted,
-                    shifted_tokens=shifted,
-                    ttft_ms=None,
-                    kept=len(plan.kept_ids),
-                    summarized=len(plan.summarized_ids),
-                    dropped=len(plan.dropped_ids),
-                    evicted=plan.evicted,
-                    summary_tokens=plan.sections.get("summary", 0),
+                _turn_report(
+                    cid, index, plan, reused=reused, evicted=evicted, shifted=shifted, ttft_ms=None
                 ),
             )
+
+
+def _turn_report(
+    cid: str,
+    index: int,
+    plan: ContextPlan,
+    *,
+    reused: int,
+    evicted: int,
+    shifted: int,
+    ttft_ms: float | None,
+) -> TurnReport:
+    return TurnReport(
+        conversation=cid,
+        turn=index + 1,
+        prompt_tokens=plan.prompt_tokens,
+        new_tokens=plan.new_tokens,
+        reused_tokens=reused,
+        evaluated_tokens=plan.prompt_tokens - reused,
+        evicted_tokens=evicted,
+        shifted_tokens=shifted,
+        ttft_ms=ttft_ms,
+        kept=len(plan.kept_ids),
+        summarized=len(plan.summarized_ids),
+        dropped=len(plan.dropped_ids),
+        evicted=plan.evicted,
+        summary_tokens=plan.sections.get("summary", 0),
+    )
 
 
 def replay_all(

@@ -6,7 +6,6 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, delete, event, func, insert, select
@@ -15,6 +14,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from chatctx._resource import Closeable
 from chatctx.errors import ConversationNotFound, StoreError
 from chatctx.store import _migrate
 from chatctx.store._models import (
@@ -121,7 +121,7 @@ def _turn(row: TurnRow) -> Turn:
     return Turn(**{name: getattr(row, name) for name in Turn.__dataclass_fields__})
 
 
-class Store:
+class Store(Closeable):
     """Conversations, messages, summaries and per-turn figures in one database.
 
     Opening a store upgrades its schema to the newest migration. Use as a context manager.
@@ -140,17 +140,6 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @contextmanager
     def _session(self) -> Iterator[Session]:
