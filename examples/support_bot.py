@@ -58,21 +58,28 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
-    # One model for every customer; each conversation is reopened from the database.
-    with Engine.load(args.model, n_ctx=args.n_ctx, n_seq_max=2) as engine:
+    # One model for every customer, one KV sequence (slot) per customer so each keeps its
+    # cached prompt while the others talk, plus a spare sequence for summaries.
+    customers = sorted({customer for customer, _ in INBOX})
+    slots = {customer: seq for seq, customer in enumerate(customers)}
+    with Engine.load(args.model, n_ctx=args.n_ctx, n_seq_max=len(customers) + 1) as engine:
         for customer, text in INBOX:
+            turns: list[Turn] = []
             with ChatSession.open(
                 args.db,
                 conversation_id=customer,
                 model=engine,
+                seq_id=slots[customer],
                 system_prompt=POLICIES,
                 settings={"max_tokens": args.max_tokens, "seed": 1},
-                on_turn=log_turn,
+                on_turn=turns.append,
             ) as chat:
                 print(f"\n[{customer}] {text}\n[ava] ", end="", flush=True)
                 for chunk in chat.stream(text):
                     print(chunk, end="", flush=True)
-                print()
+                print(flush=True)
+            for turn in turns:  # after the reply, so the log does not cut into it
+                log_turn(turn)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,11 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Upgrade the database in place; each migration runs in its own transaction."""
+    """Upgrade the database in place; each migration runs in its own transaction.
+
+    A database already at the newest revision is left alone (no Alembic run, no log lines).
+    """
+    if revision == "head" and current_revision(engine) == head_revision():
+        return
     with engine.begin() as connection:
         command.upgrade(_config(connection), revision)
