@@ -192,14 +192,16 @@ class ChatSession(Closeable):
 
     def builder(self) -> ContextBuilder:
         """The context builder for the conversation's current settings."""
-        settings = self.context_settings
+        return self._builder_for(self.context_settings, self.budget()[0])
+
+    def _builder_for(self, settings: ContextSettings, budget: int) -> ContextBuilder:
         if self._builder is None or self._builder_settings != settings:
             codec = self.engine.codec()
             summarizer: Summarizer | None = self._custom_summarizer or summarizer_for(
                 settings.summarizer,
                 count=codec.count,
                 max_tokens=settings.summary_max_tokens,
-                budget=self.budget()[0],
+                budget=budget,
                 generate=self._summary_generate,
                 max_input_tokens=self._summary_input_tokens(),
             )
@@ -219,19 +221,25 @@ class ChatSession(Closeable):
         With the LLM summarizer on a spare sequence of a unified KV cache, the summary request
         shares the cells: its room is kept out of the chat's budget.
         """
-        settings = self.context_settings
-        reserve = settings.reserve if settings.reserve is not None else self.settings.max_tokens
-        limit = self.engine.n_ctx - reserve - self._side_room()
+        stored = self.store.get_conversation(self.conversation_id).settings
+        return self._budget(
+            _context_settings(stored.get("context") or {}),
+            _settings(stored.get("generation") or {}),
+        )
+
+    def _budget(self, settings: ContextSettings, generation: GenerationSettings) -> tuple[int, int]:
+        reserve = settings.reserve if settings.reserve is not None else generation.max_tokens
+        side_room = self._side_room(settings)
+        limit = self.engine.n_ctx - reserve - side_room
         budget = min(settings.budget, limit) if settings.budget is not None else limit
         if budget < 16:
             raise ConfigError(
                 f"no room for a prompt: n_ctx {self.engine.n_ctx}, reserve {reserve}, "
-                f"summary room {self._side_room()}"
+                f"summary room {side_room}"
             )
         return budget, reserve
 
-    def _side_room(self) -> int:
-        settings = self.context_settings
+    def _side_room(self, settings: ContextSettings) -> int:
         spare = self.engine.spare_seq
         if settings.summarizer != "llm" or spare is None or spare == self.seq_id:
             return 0
@@ -244,10 +252,13 @@ class ChatSession(Closeable):
 
         Note: when the plan evicts turns, summarizing runs here too (its result is not kept).
         """
-        return self._build(new_message)
+        return self._build(new_message)[0]
 
-    def _build(self, new_message: str) -> BuildResult:
+    def _build(self, new_message: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
+        """The context for ``new_message``, with the settings it was built under (one read)."""
         conversation = self.store.get_conversation(self.conversation_id)
+        generation = _settings(conversation.settings.get("generation") or {})
+        context = _context_settings(conversation.settings.get("context") or {})
         stored = self.store.context_state(self.conversation_id)
         state = ContextState(
             window_start=stored.window_start,
@@ -256,8 +267,8 @@ class ChatSession(Closeable):
             pending_ids=stored.pending_ids,
         )
         history = self.store.messages(self.conversation_id, from_position=state.window_start)
-        budget, reserve = self.budget()
-        return self.builder().build(
+        budget, reserve = self._budget(context, generation)
+        built = self._builder_for(context, budget).build(
             system_prompt=conversation.system_prompt,
             history=history,
             new_message=new_message,
@@ -266,6 +277,7 @@ class ChatSession(Closeable):
             state=state,
             pinned=self.store.pinned_messages(self.conversation_id),
         )
+        return built, generation, context
 
     def _summary_input_tokens(self) -> int:
         # Evicted turns are folded in chunks of this many tokens.
@@ -312,8 +324,8 @@ class ChatSession(Closeable):
 
         Raises ``ContextBudgetError`` before storing anything when the prompt cannot fit.
         """
-        built = self._prepare(text)
-        return self._stream(text, built, self.settings)
+        built, generation, context = self._prepare(text)
+        return self._stream(text, built, generation, context.eviction)
 
     def record_turn(self, text: str, reply: str | Sequence[Mapping[str, Any]]) -> Reply:
         """A teacher-forced turn: fit and prefill the context, then store ``reply`` as given.
@@ -323,14 +335,13 @@ class ChatSession(Closeable):
         ``reply`` is the assistant's text, or the logged messages answering ``text`` (OpenAI
         format: assistant tool calls, tool results, the final answer).
         """
-        built = self._prepare(text)
+        built, _, context = self._prepare(text)
         user = self.store.add_message(self.conversation_id, "user", text)
-        sections = built.plan.sections
         result = self.engine.prefill(
             built.tokens,
             seq_id=self.seq_id,
-            eviction=self.context_settings.eviction,
-            history_start=sections["system"] + sections["summary"],
+            eviction=context.eviction,
+            history_start=built.plan.history_start,
         )
         logged = (
             [{"role": "assistant", "content": reply}]
@@ -350,11 +361,12 @@ class ChatSession(Closeable):
             self.last_reply = replace(self.last_reply, text=first_text)
         return self.last_reply
 
-    def _prepare(self, text: str) -> BuildResult:
+    def _prepare(self, text: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
         """Build the context for ``text`` and persist what the builder decided."""
         if not text.strip():
             raise ConfigError("empty message")
-        built = self._build(text)  # raises ContextBudgetError before anything is stored
+        # raises ContextBudgetError before anything is stored
+        built, generation, context = self._build(text)
         self.last_build = built
         plan = built.plan
         if plan.evicted or built.state.pending_ids:
@@ -364,7 +376,7 @@ class ChatSession(Closeable):
                     built.state.summary,
                     plan.summarized_ids,
                     built.state.summary_tokens,
-                    self.builder().codec.fingerprint,
+                    built.fingerprint,
                 )
             self.store.save_context_state(
                 self.conversation_id,
@@ -372,19 +384,18 @@ class ChatSession(Closeable):
                 pending_ids=built.state.pending_ids,
                 new_summary=new_summary,
             )
-        return built
+        return built, generation, context
 
     def _stream(
-        self, text: str, built: BuildResult, settings: GenerationSettings
+        self, text: str, built: BuildResult, settings: GenerationSettings, eviction: str
     ) -> Generator[str, None, None]:
         user = self.store.add_message(self.conversation_id, "user", text)
-        sections = built.plan.sections
         generation = self.engine.generate(
             built.tokens,
             seq_id=self.seq_id,
             settings=settings,
-            eviction=self.context_settings.eviction,
-            history_start=sections["system"] + sections["summary"],
+            eviction=eviction,
+            history_start=built.plan.history_start,
         )
         try:
             yield from generation

@@ -84,6 +84,11 @@ class ContextPlan:
     prompt_hash: str = ""
     build_ms: float = 0.0
 
+    @property
+    def history_start(self) -> int:
+        """Where the kept turns begin in the prompt: after system, pinned and summary."""
+        return self.sections["system"] + self.sections["summary"]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; id lists of evicted messages are compacted into ranges."""
         out = asdict(self)
@@ -98,6 +103,7 @@ class BuildResult:
     messages: list[dict[str, Any]]
     tokens: list[int]
     state: ContextState
+    fingerprint: str  # the codec's: tokenizer + template the counts hold for
 
 
 class ContextBuilder:
@@ -275,7 +281,13 @@ class ContextBuilder:
             summary_tokens=summary_tokens,
             pending_ids=tuple(pending[-MAX_PENDING:]),
         )
-        return BuildResult(plan=plan, messages=messages, tokens=tokens, state=new_state)
+        return BuildResult(
+            plan=plan,
+            messages=messages,
+            tokens=tokens,
+            state=new_state,
+            fingerprint=self.codec.fingerprint,
+        )
 
     def _summarize(
         self, plan: ContextPlan, state: ContextState, evicted: list[Message], pending: list[int]

@@ -309,8 +309,7 @@ class Replayer(Closeable):
                 state=state,
             )
             plan = built.plan
-            start = plan.sections["system"] + plan.sections["summary"]
-            reuse = plan_reuse(cache, built.tokens, history_start=start)
+            reuse = plan_reuse(cache, built.tokens, history_start=plan.history_start)
             shifted = 0
             if self.config.eviction == "shift" and reuse.chunk is not None:
                 reused = reuse.prefix + reuse.chunk_len

@@ -37,7 +37,7 @@ def test_200_turn_replay_keeps_the_mirror_exact(db_url: str, tiny_llama3_path: P
         for user, reply in zip(messages[1::2], messages[2::2], strict=True):
             cached = list(engine.cached_tokens(0))
             built = chat.plan(user["content"])
-            history_start = built.plan.sections["system"] + built.plan.sections["summary"]
+            history_start = built.plan.history_start
             expected = plan_reuse(cached, built.tokens, history_start=history_start)
             result = chat.record_turn(user["content"], reply["content"])
             turn = result.turn
