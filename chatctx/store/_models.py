@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -153,6 +154,15 @@ class TurnRow(Base):
     cells_used: Mapped[dict[str, int] | None] = mapped_column(JSON)
     summary_tokens: Mapped[int | None] = mapped_column(Integer)
     summary_ms: Mapped[float | None] = mapped_column(Float)
+    # request timing (TTFT counts from the request), recall, memory
+    build_ms: Mapped[float | None] = mapped_column(Float)
+    store_ms: Mapped[float | None] = mapped_column(Float)
+    engine_ttft_ms: Mapped[float | None] = mapped_column(Float)
+    recall_tokens: Mapped[int | None] = mapped_column(Integer)
+    recall_ms: Mapped[float | None] = mapped_column(Float)
+    rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_used_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

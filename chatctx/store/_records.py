@@ -82,6 +82,14 @@ class Turn:
     cells_used: dict[str, int] | None = None
     summary_tokens: int | None = None
     summary_ms: float | None = None
+    build_ms: float | None = None  # context building, summary included
+    store_ms: float | None = None  # database writes before generation
+    engine_ttft_ms: float | None = None  # from the engine's first step
+    recall_tokens: int | None = None
+    recall_ms: float | None = None
+    rss_bytes: int | None = None
+    gpu_used_bytes: int | None = None
+    gpu_free_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
