@@ -10,7 +10,8 @@
     ├── ModelError             missing/invalid GGUF, no chat template, load failure
     ├── ContextBudgetError     the prompt cannot fit the token budget
     ├── KVCacheError           llama.cpp found no KV slot or rejected a KV operation
-    └── GenerationError        decoding failed or was aborted
+    ├── GenerationError        decoding failed or was aborted
+    └── ClosedError            a closed engine, context or session was used
 
 Third-party errors are translated where they are raised (``engine/_native.py`` for llama.cpp,
 ``store/_db.py`` for SQLAlchemy), always ``raise ... from exc``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 __all__ = [
     "ChatctxError",
+    "ClosedError",
     "ConfigError",
     "ContextBudgetError",
     "ConversationNotFound",
@@ -94,3 +96,14 @@ class GenerationError(ChatctxError):
     def __init__(self, message: str, *, code: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class ClosedError(ChatctxError):
+    """A closed engine, model context, sampler or session was used.
+
+    Raised instead of handing llama.cpp a freed pointer (which would crash the process).
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"the {what} is closed")
+        self.what = what

@@ -19,7 +19,7 @@ from typing import Any
 import tiktoken
 
 from chatctx.engine._gguf import read_metadata
-from chatctx.engine._template import ChatTemplate
+from chatctx.engine._template import ChatTemplate, RenderedPrompt, template_for
 
 logger = logging.getLogger("chatctx.codec")
 
@@ -67,30 +67,53 @@ class PromptCodec:
     """Renders messages with a chat template and turns the text into token ids.
 
     ``encode_prompt`` returns exactly what the engine evaluates (BOS added when the model
-    asks for it and the template did not write it).
+    asks for it and the template did not write it). Only the template's own markup becomes
+    control tokens: message content (summaries, imported logs and user text alike) is
+    tokenized as text, so ``<|eot_id|>`` typed by a user stays characters.
     """
 
     def __init__(
-        self, template: ChatTemplate, *, bos: int | None, add_bos: bool, fingerprint: str
+        self,
+        template: ChatTemplate,
+        *,
+        bos: int | None,
+        add_bos: bool,
+        fingerprint: str,
+        specials: Mapping[str, int] | None = None,
     ) -> None:
         self.template = template
         self.bos = bos
         self.add_bos = add_bos
         self.fingerprint = fingerprint
+        self.specials = dict(specials or {})
+        self._special_re = (
+            re.compile("|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True)))
+            if self.specials
+            else None
+        )
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token text parsed as control tokens."""
+        raise NotImplementedError
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: special-token strings stay characters."""
         raise NotImplementedError
 
     def count(self, text: str) -> int:
-        return len(self.encode(text))
+        return len(self.encode_text(text))
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
-    ) -> str:
+    ) -> RenderedPrompt:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def encode_prompt(self, text: str) -> list[int]:
-        tokens = self.encode(text)
+        """Tokens of a prompt; a ``RenderedPrompt``'s content is encoded as plain text."""
+        if isinstance(text, RenderedPrompt):
+            tokens = self._encode_rendered(text)
+        else:
+            tokens = self.encode(text)
         if self.add_bos and self.bos is not None and (not tokens or tokens[0] != self.bos):
             tokens.insert(0, self.bos)
         return tokens
@@ -101,6 +124,36 @@ class PromptCodec:
         return self.encode_prompt(
             self.render(messages, add_generation_prompt=add_generation_prompt)
         )
+
+    def _encode_rendered(self, prompt: RenderedPrompt) -> list[int]:
+        # llama.cpp splits a prompt at special tokens and tokenizes the text between them on
+        # its own; doing the same with specials found only in the markup gives identical ids
+        # for ordinary content and plain-text ids for special-token text inside content.
+        if self._special_re is None:
+            return self.encode_text(str(prompt))
+        text = str(prompt)
+        spans: list[tuple[int, int]] = list(prompt.content_spans or ())
+        if prompt.content_spans is None:
+            # Content's place is unknown: special-token text that occurs in any content is
+            # text wherever it appears.
+            for content in prompt.contents:
+                for m in self._special_re.finditer(content):
+                    at = text.find(m.group())
+                    while at >= 0:
+                        spans.append((at, at + len(m.group())))
+                        at = text.find(m.group(), at + 1)
+            spans.sort()
+        tokens: list[int] = []
+        piece_start = 0
+        markup_start = 0
+        for start, end in [*spans, (len(text), len(text))]:
+            for m in self._special_re.finditer(text, markup_start, start):
+                tokens += self.encode_text(text[piece_start : m.start()])
+                tokens.append(self.specials[m.group()])
+                piece_start = m.end()
+            markup_start = max(markup_start, end)
+        tokens += self.encode_text(text[piece_start:])
+        return tokens
 
 
 class TiktokenCodec(PromptCodec):
@@ -120,9 +173,15 @@ class TiktokenCodec(PromptCodec):
         add_bos: bool,
         fingerprint: str,
         unencodable: re.Pattern[str] | None = None,
-        fallback: Callable[[str], list[int]] | None = None,
+        fallback: Callable[[str, bool], list[int]] | None = None,
     ) -> None:
-        super().__init__(template, bos=bos, add_bos=add_bos, fingerprint=fingerprint)
+        super().__init__(
+            template,
+            bos=bos,
+            add_bos=add_bos,
+            fingerprint=fingerprint,
+            specials={t: encoding.encode_single_token(t) for t in encoding.special_tokens_set},
+        )
         self.encoding = encoding
         self._unencodable = unencodable
         self._fallback = fallback
@@ -130,28 +189,59 @@ class TiktokenCodec(PromptCodec):
     def encode(self, text: str) -> list[int]:
         if self._unencodable is not None and self._unencodable.search(text):
             if self._fallback is not None:
-                return self._fallback(text)
+                return self._fallback(text, True)
             text = self._unencodable.sub("", text)
         return self.encoding.encode(text, allowed_special="all")
 
+    def encode_text(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._unencodable is not None and self._unencodable.search(text):
+            if self._fallback is not None:
+                return self._fallback(text, False)
+            text = self._unencodable.sub("", text)
+        return self.encoding.encode_ordinary(text)
+
 
 class LlamaCodec(PromptCodec):
-    """Token counts from llama.cpp's own tokenizer (the fallback)."""
+    """Token counts from llama.cpp's own tokenizer (the fallback).
+
+    ``tokenize(text, parse_special)``; ``specials`` maps the vocabulary's control and
+    user-defined token texts to ids.
+    """
 
     def __init__(
         self,
-        tokenize: Callable[[str], list[int]],
+        tokenize: Callable[[str, bool], list[int]],
         template: ChatTemplate,
         *,
         bos: int | None,
         add_bos: bool,
         fingerprint: str,
+        specials: Mapping[str, int] | None = None,
     ) -> None:
-        super().__init__(template, bos=bos, add_bos=add_bos, fingerprint=fingerprint)
+        super().__init__(
+            template, bos=bos, add_bos=add_bos, fingerprint=fingerprint, specials=specials
+        )
         self._tokenize = tokenize
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenize(text)
+        return self._tokenize(text, True)
+
+    def encode_text(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._special_re is None or not self._special_re.search(text):
+            return self._tokenize(text, False)
+        # llama.cpp matches user-defined tokens even without parse_special: cut each
+        # special-token text in two so neither half can match.
+        tokens: list[int] = []
+        last = 0
+        for m in self._special_re.finditer(text):
+            middle = m.start() + max(1, len(m.group()) // 2)
+            tokens += self._tokenize(text[last:middle], False)
+            last = middle
+        return tokens + self._tokenize(text[last:], False)
 
 
 def vocab_fingerprint(meta: Mapping[str, Any], tokens: Sequence[str]) -> str:
@@ -223,39 +313,12 @@ def tiktoken_encoding(
     return encoding, unencodable, meta, fingerprint
 
 
-def _template_for(
-    meta: Mapping[str, Any], *, chat_template: str | None, chat_format: str | None, path: Path | str
-) -> ChatTemplate:
-    from chatctx.engine._template import BUILTIN_FORMATS
-    from chatctx.errors import ModelError
-
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
-
-    def text(key: str) -> str:
-        value = meta.get(key)
-        return tokens[value] if isinstance(value, int) and 0 <= value < len(tokens) else ""
-
-    bos, eos = text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id")
-    if chat_template:
-        return ChatTemplate(chat_template, bos_token=bos, eos_token=eos, name="override")
-    source = meta.get("tokenizer.chat_template")
-    if isinstance(source, str) and source.strip():
-        return ChatTemplate(source, bos_token=bos, eos_token=eos, name="gguf")
-    if chat_format:
-        return ChatTemplate(
-            BUILTIN_FORMATS[chat_format], bos_token=bos, eos_token=eos, name=chat_format
-        )
-    raise ModelError(
-        f"{path} has no chat template; pass chat_format='llama-3' or 'chatml'", path=str(path)
-    )
-
-
 def open_codec(
     path: Path | str,
     *,
     chat_template: str | None = None,
     chat_format: str | None = None,
-    fallback: Callable[[str], list[int]] | None = None,
+    fallback: Callable[[str, bool], list[int]] | None = None,
 ) -> TiktokenCodec:
     """A tiktoken codec for a GGUF, without loading llama.cpp (tokenizer and template only).
 
@@ -270,7 +333,9 @@ def open_codec(
             "codec (llama.cpp tokenization)",
             path=str(path),
         )
-    template = _template_for(meta, chat_template=chat_template, chat_format=chat_format, path=path)
+    template = template_for(
+        meta, chat_template=chat_template, chat_format=chat_format, path=str(path)
+    )
     bos = meta.get("tokenizer.ggml.bos_token_id")
     template_hash = hashlib.sha256(template.source.encode()).hexdigest()[:8]
     return TiktokenCodec(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -86,13 +87,18 @@ def _value(f: IO[bytes], vtype: int, *, want: bool) -> Any:
     raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def read_metadata(path: Path | str, *, arrays: Iterable[str] = ()) -> dict[str, Any]:
-    """The GGUF header's key/values. Arrays named in ``arrays`` are read, others skipped.
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor's entry in the GGUF header: name, shape (ggml order) and ggml type id."""
 
-    Raises ``ModelError`` when the file is missing or is not a GGUF.
-    """
-    path = Path(path)
-    wanted = set(arrays)
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+
+
+def _read_header(
+    path: Path, wanted: set[str], *, tensors: bool
+) -> tuple[dict[str, Any], list[TensorInfo]]:
     if not path.is_file():
         raise ModelError(f"model file not found: {path}", path=str(path))
     try:
@@ -102,15 +108,39 @@ def read_metadata(path: Path | str, *, arrays: Iterable[str] = ()) -> dict[str, 
             version = _read(f, "<I")
             if version not in (2, 3):
                 raise ModelError(f"unsupported GGUF version {version}: {path}", path=str(path))
-            _n_tensors = _read(f, "<Q")
+            n_tensors = _read(f, "<Q")
             n_kv = _read(f, "<Q")
             meta: dict[str, Any] = {"GGUF.version": version}
             for _ in range(n_kv):
                 key = _string(f)
                 meta[key] = _value(f, _read(f, "<I"), want=key in wanted)
-            return meta
+            infos: list[TensorInfo] = []
+            for _ in range(n_tensors if tensors else 0):
+                name = _string(f)
+                n_dims = _read(f, "<I")
+                shape = tuple(_read(f, "<Q") for _ in range(n_dims))
+                ggml_type = _read(f, "<I")
+                _offset = _read(f, "<Q")
+                infos.append(TensorInfo(name, shape, ggml_type))
+            return meta, infos
     except (EOFError, ValueError, struct.error, UnicodeDecodeError, OverflowError) as exc:
         raise ModelError(f"corrupt GGUF header in {path}: {exc}", path=str(path)) from exc
+
+
+def read_metadata(path: Path | str, *, arrays: Iterable[str] = ()) -> dict[str, Any]:
+    """The GGUF header's key/values. Arrays named in ``arrays`` are read, others skipped.
+
+    Raises ``ModelError`` when the file is missing or is not a GGUF.
+    """
+    return _read_header(Path(path), set(arrays), tensors=False)[0]
+
+
+def read_tensor_infos(path: Path | str) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """The header's key/values (arrays skipped) and every tensor's name, shape and type.
+
+    No tensor data is read: this is what the memory planner sizes weights from.
+    """
+    return _read_header(Path(path), set(), tensors=True)
 
 
 def model_facts(meta: dict[str, Any]) -> dict[str, Any]:
@@ -150,4 +180,16 @@ def model_facts(meta: dict[str, Any]) -> dict[str, Any]:
         "chat_template": isinstance(meta.get("tokenizer.chat_template"), str),
         "kv_bytes_per_token_f16": kv_bytes,
         "file_type": meta.get("general.file_type"),
+        "n_ff": arch_int("feed_forward_length"),
+        "key_length": key_len or head_dim,
+        "value_length": value_len or head_dim,
+        # RoPE as trained; llama.cpp uses these unless the context params override them.
+        "rope_freq_base": _number(meta.get(f"{arch}.rope.freq_base")),
+        "rope_scaling": meta.get(f"{arch}.rope.scaling.type"),
+        "rope_scaling_factor": _number(meta.get(f"{arch}.rope.scaling.factor")),
+        "rope_orig_ctx": arch_int("rope.scaling.original_context_length"),
     }
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

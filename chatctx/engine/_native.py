@@ -19,7 +19,7 @@ from typing import Any
 import llama_cpp.llama_cpp as ll
 
 from chatctx._resource import Closeable
-from chatctx.errors import GenerationError, KVCacheError, ModelError
+from chatctx.errors import ClosedError, ConfigError, GenerationError, KVCacheError, ModelError
 
 logger = logging.getLogger("chatctx.llama")
 
@@ -90,40 +90,71 @@ class NativeModel:
                 f"llama.cpp could not load {path}{_recent_error_text()}", path=str(path)
             )
         self.ptr: Any = ptr
-        self.vocab: Any = ll.llama_model_get_vocab(ptr)
+        self._vocab: Any = ll.llama_model_get_vocab(ptr)
         self.path = path
 
     def close(self) -> None:
         if self.ptr is not None:
             ll.llama_model_free(self.ptr)
             self.ptr = None
+            self._vocab = None
+
+    @property
+    def closed(self) -> bool:
+        return self.ptr is None
+
+    @property
+    def live(self) -> Any:
+        """The model pointer; ``ClosedError`` once freed (llama.cpp would crash on it)."""
+        if self.ptr is None:
+            raise ClosedError("model")
+        return self.ptr
+
+    @property
+    def vocab(self) -> Any:
+        if self._vocab is None:
+            raise ClosedError("model")
+        return self._vocab
+
+    def special_tokens(self) -> dict[str, int]:
+        """Texts of the control and user-defined tokens, with their ids."""
+        vocab = self.vocab
+        wanted = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED
+        out: dict[str, int] = {}
+        for token in range(int(ll.llama_vocab_n_tokens(vocab))):
+            if int(ll.llama_vocab_get_attr(vocab, token)) & wanted:
+                text = self.token_text(token)
+                if text:
+                    out.setdefault(text, token)
+        return out
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
-        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        n = ll.llama_model_meta_val_str(self.live, key.encode(), buf, len(buf))
         if n < 0:
             return None
         if n >= len(buf):
             buf = ctypes.create_string_buffer(n + 1)
-            ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+            ll.llama_model_meta_val_str(self.live, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
 
     def chat_template(self) -> str | None:
-        raw = ll.llama_model_chat_template(self.ptr, None)
+        raw = ll.llama_model_chat_template(self.live, None)
         return raw.decode("utf-8") if raw else None
 
     def describe(self) -> dict[str, Any]:
+        ptr = self.live
         desc = ctypes.create_string_buffer(256)
-        ll.llama_model_desc(self.ptr, desc, len(desc))
+        ll.llama_model_desc(ptr, desc, len(desc))
         return {
             "description": desc.value.decode("utf-8", errors="replace"),
-            "n_params": int(ll.llama_model_n_params(self.ptr)),
-            "size_bytes": int(ll.llama_model_size(self.ptr)),
-            "n_ctx_train": int(ll.llama_model_n_ctx_train(self.ptr)),
-            "n_layer": int(ll.llama_model_n_layer(self.ptr)),
-            "n_embd": int(ll.llama_model_n_embd(self.ptr)),
-            "n_head": int(ll.llama_model_n_head(self.ptr)),
-            "n_head_kv": int(ll.llama_model_n_head_kv(self.ptr)),
+            "n_params": int(ll.llama_model_n_params(ptr)),
+            "size_bytes": int(ll.llama_model_size(ptr)),
+            "n_ctx_train": int(ll.llama_model_n_ctx_train(ptr)),
+            "n_layer": int(ll.llama_model_n_layer(ptr)),
+            "n_embd": int(ll.llama_model_n_embd(ptr)),
+            "n_head": int(ll.llama_model_n_head(ptr)),
+            "n_head_kv": int(ll.llama_model_n_head_kv(ptr)),
             "n_vocab": int(ll.llama_vocab_n_tokens(self.vocab)),
         }
 
@@ -211,7 +242,24 @@ class NativeContext:
         type_k: str,
         type_v: str,
         n_threads: int | None,
+        rope_scaling: str | None = None,
+        rope_freq_base: float | None = None,
+        rope_freq_scale: float | None = None,
+        yarn_orig_ctx: int | None = None,
     ) -> None:
+        from chatctx.engine._memory import (
+            KV_TYPE_IDS,
+            check_kv_types,
+            pad256,
+            resolve_flash_attn,
+            rope_warning,
+        )
+
+        # The planner's rules (chatctx plan uses the same): bad types and a quantized V cache
+        # without flash attention are ConfigErrors here, not "Failed to create llama_context".
+        flash_attn = resolve_flash_attn(type_k, type_v, flash_attn)
+        info = model.describe()
+        check_kv_types(type_k, type_v, *_head_sizes(model, info))
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -219,8 +267,29 @@ class NativeContext:
         params.n_seq_max = n_seq_max
         params.kv_unified = kv_unified
         params.flash_attn_type = {None: -1, True: 1, False: 0}[flash_attn]
-        params.type_k = KV_TYPES[type_k]
-        params.type_v = KV_TYPES[type_v]
+        params.type_k = KV_TYPE_IDS[type_k]
+        params.type_v = KV_TYPE_IDS[type_v]
+        # 0 / UNSPECIFIED leave llama.cpp on the GGUF's own RoPE settings.
+        params.rope_scaling_type = _ROPE_SCALING[rope_scaling]
+        params.rope_freq_base = rope_freq_base or 0.0
+        params.rope_freq_scale = rope_freq_scale or 0.0
+        params.yarn_orig_ctx = yarn_orig_ctx or 0
+        # Positions one conversation can reach: a split stream's size; in a unified pool the
+        # slot pool's share (n_seq_max - 1 conversations, one sequence kept for summaries).
+        n_ctx_seq = (
+            pad256(n_ctx // max(n_seq_max - 1, 1))
+            if kv_unified
+            else pad256(n_ctx // max(n_seq_max, 1))
+        )
+        warning = rope_warning(
+            n_ctx_seq,
+            info["n_ctx_train"],
+            rope_scaling=rope_scaling,
+            rope_freq_scale=rope_freq_scale,
+            model_scaling=model.meta(f"{model.meta('general.architecture')}.rope.scaling.type"),
+        )
+        if warning:
+            logging.getLogger("chatctx.engine").warning("%s", warning)
         threads = n_threads or os.cpu_count() or 1
         params.n_threads = threads
         params.n_threads_batch = threads
@@ -242,14 +311,27 @@ class NativeContext:
         self.n_seq_max = n_seq_max
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
         self._batch_live = True
+        self._logit_rows: frozenset[int] = frozenset()  # batch rows with logits, last decode
+        self.decode_count = 0  # decodes so far: logits belong to the latest one only
+
+    @property
+    def closed(self) -> bool:
+        return self.ptr is None
+
+    @property
+    def live(self) -> Any:
+        """The context pointer; ``ClosedError`` once freed (llama.cpp would crash on it)."""
+        if self.ptr is None:
+            raise ClosedError("llama.cpp context")
+        return self.ptr
 
     @property
     def n_ctx(self) -> int:
-        return int(ll.llama_n_ctx(self.ptr))
+        return int(ll.llama_n_ctx(self.live))
 
     @property
     def n_ctx_seq(self) -> int:
-        return int(ll.llama_n_ctx_seq(self.ptr))
+        return int(ll.llama_n_ctx_seq(self.live))
 
     def close(self) -> None:
         if self._batch_live:
@@ -258,17 +340,31 @@ class NativeContext:
         if self.ptr is not None:
             ll.llama_free(self.ptr)
             self.ptr = None
+            self.memory = None
+            self._logit_rows = frozenset()
+
+    def check_seq(self, seq_id: int) -> None:
+        """Refuse a sequence id llama.cpp would assert on (it aborts the process)."""
+        if not isinstance(seq_id, int) or not 0 <= seq_id < self.n_seq_max:
+            raise ConfigError(f"sequence {seq_id!r} outside 0..{self.n_seq_max - 1}")
+
+    def _mem(self, *seq_ids: int) -> Any:
+        if self.ptr is None:
+            raise ClosedError("llama.cpp context")
+        for seq_id in seq_ids:
+            self.check_seq(seq_id)
+        return self.memory
 
     # KV cache ------------------------------------------------------------------------------
 
     def seq_pos_min(self, seq_id: int) -> int:
-        return int(ll.llama_memory_seq_pos_min(self.memory, seq_id))
+        return int(ll.llama_memory_seq_pos_min(self._mem(seq_id), seq_id))
 
     def seq_pos_max(self, seq_id: int) -> int:
-        return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
+        return int(ll.llama_memory_seq_pos_max(self._mem(seq_id), seq_id))
 
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> None:
-        if not ll.llama_memory_seq_rm(self.memory, seq_id, p0, p1):
+        if not ll.llama_memory_seq_rm(self._mem(seq_id), seq_id, p0, p1):
             raise KVCacheError(
                 f"llama.cpp refused to remove positions [{p0}, {p1}) of sequence {seq_id}",
                 seq_id=seq_id,
@@ -277,16 +373,22 @@ class NativeContext:
             )
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
-        ll.llama_memory_seq_add(self.memory, seq_id, p0, p1, delta)
+        memory = self._mem(seq_id)
+        if delta and not ll.llama_memory_can_shift(memory):
+            # Decoding after a shift on a model that cannot shift aborts inside llama.cpp.
+            raise KVCacheError(
+                "this model's KV cache cannot shift positions", seq_id=seq_id, n_tokens=0, code=-1
+            )
+        ll.llama_memory_seq_add(memory, seq_id, p0, p1, delta)
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        ll.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+        ll.llama_memory_seq_cp(self._mem(src, dst), src, dst, p0, p1)
 
     def can_shift(self) -> bool:
-        return bool(ll.llama_memory_can_shift(self.memory))
+        return bool(ll.llama_memory_can_shift(self._mem()))
 
     def clear(self) -> None:
-        ll.llama_memory_clear(self.memory, True)
+        ll.llama_memory_clear(self._mem(), True)
 
     # decoding ------------------------------------------------------------------------------
 
@@ -296,13 +398,16 @@ class NativeContext:
         """Evaluate ``tokens`` at positions ``start_pos...`` of ``seq_id``.
 
         Returns the batch index holding the last token's logits (for sampling), or -1.
+        Batches never exceed ``n_batch`` (a larger one aborts the process in llama.cpp).
         """
-        if not 0 <= seq_id < self.n_seq_max:
-            raise GenerationError(f"sequence {seq_id} outside 0..{self.n_seq_max - 1}")
+        ctx = self.live
+        self.check_seq(seq_id)
         if not tokens:
             return -1
         batch = self._batch
         index = -1
+        self._logit_rows = frozenset()
+        self.decode_count += 1
         for offset in range(0, len(tokens), self.n_batch):
             chunk = tokens[offset : offset + self.n_batch]
             last_chunk = offset + self.n_batch >= len(tokens)
@@ -316,15 +421,43 @@ class NativeContext:
                 batch.logits[len(chunk) - 1] = 1
                 index = len(chunk) - 1
             batch.n_tokens = len(chunk)
-            _check_decode(ll.llama_decode(self.ptr, batch), seq_id=seq_id, n_tokens=len(chunk))
+            _check_decode(ll.llama_decode(ctx, batch), seq_id=seq_id, n_tokens=len(chunk))
+        self._logit_rows = frozenset({index}) if index >= 0 else frozenset()
         return index
 
+    def has_logits(self, index: int) -> bool:
+        """Whether the last decode asked for logits at batch ``index``."""
+        return index in self._logit_rows
+
     def logits(self, index: int) -> list[float]:
-        ptr = ll.llama_get_logits_ith(self.ptr, index)
+        ctx = self.live
+        if not self.has_logits(index):
+            raise GenerationError(f"no logits at batch index {index}")
+        ptr = ll.llama_get_logits_ith(ctx, index)
         if not ptr:
             raise GenerationError(f"no logits at batch index {index}")
         n_vocab = int(ll.llama_vocab_n_tokens(self.model.vocab))
         return list(ptr[:n_vocab])
+
+    # llama.cpp's own counters (an oracle for chatctx's accounting) ----------------------------
+
+    def perf_counts(self) -> tuple[int, int]:
+        """Tokens llama.cpp itself evaluated in this context: ``(n_p_eval, n_eval)``.
+
+        llama.cpp adds the tokens queued by decodes when it synchronizes (done here first):
+        a synchronization after exactly one token counts it in ``n_eval``, after more in
+        ``n_p_eval``, so their sum is the number of tokens decoded. Each is reported as at
+        least 1, so a difference is exact only once both were non-zero. Counted even with
+        ``no_perf`` (which only skips the timings).
+        """
+        ctx = self.live
+        ll.llama_synchronize(ctx)
+        data = ll.llama_perf_context(ctx)
+        return int(data.n_p_eval), int(data.n_eval)
+
+    def reset_perf(self) -> None:
+        """Set llama.cpp's evaluated-token counters (and timings) back to zero."""
+        ll.llama_perf_context_reset(self.live)
 
 
 class Sampler(Closeable):
@@ -363,11 +496,28 @@ class Sampler(Closeable):
 
     def sample(self, context: NativeContext, index: int) -> int:
         # A bad index aborts the process inside llama.cpp: check it here first.
-        if index < 0 or not ll.llama_get_logits_ith(context.ptr, index):
+        if self.ptr is None:
+            raise ClosedError("sampler")
+        ctx = context.live
+        if not context.has_logits(index) or not ll.llama_get_logits_ith(ctx, index):
             raise GenerationError(f"no logits at batch index {index}")
-        return int(ll.llama_sampler_sample(self.ptr, context.ptr, index))
+        return int(ll.llama_sampler_sample(self.ptr, ctx, index))
 
     def close(self) -> None:
         if self.ptr is not None:
             ll.llama_sampler_free(self.ptr)
             self.ptr = None
+
+
+# Helpers for NativeContext and the memory planner ----------------------------------------------
+
+_ROPE_SCALING: dict[str | None, int] = {None: -1, "none": 0, "linear": 1, "yarn": 2}
+
+
+def _head_sizes(model: NativeModel, info: dict[str, Any]) -> tuple[int, int]:
+    """(key_length, value_length) per head, from the GGUF (n_embd / n_head when absent)."""
+    arch = model.meta("general.architecture") or "llama"
+    default = info["n_embd"] // max(info["n_head"], 1)
+    key = model.meta(f"{arch}.attention.key_length")
+    value = model.meta(f"{arch}.attention.value_length")
+    return (int(key) if key else default, int(value) if value else default)
