@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine
 
+from chatctx.store._connect import create_db_engine
+from chatctx.store._migrate import IMMEDIATE, migration_lock
 from chatctx.store._models import Base
+from chatctx.store._search import include_name
 
 config = context.config
 connection = config.attributes.get("connection")
@@ -18,6 +20,7 @@ def _run(conn: object) -> None:
         render_as_batch=True,  # SQLite cannot ALTER most things in place
         transaction_per_migration=True,
         compare_type=True,
+        include_name=include_name,  # the FTS tables are not ORM tables
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -29,5 +32,10 @@ else:
     url = config.get_main_option("sqlalchemy.url")
     if not url:
         raise SystemExit("set sqlalchemy.url or use `chatctx db upgrade --db URL`")
-    with create_engine(url).begin() as conn:
-        _run(conn)
+    # The `alembic` command line: the same engine setup and migration lock as chatctx.
+    engine = create_db_engine(url)
+    try:
+        with migration_lock(engine), engine.execution_options(**{IMMEDIATE: True}).begin() as conn:
+            _run(conn)
+    finally:
+        engine.dispose()

@@ -14,6 +14,7 @@ from chatctx.cli._common import (
     resolve_db,
     turn_figures,
 )
+from chatctx.cli._signals import Interrupts, interruptible
 from chatctx.errors import ContextBudgetError
 from chatctx.session import ChatSession
 
@@ -58,19 +59,26 @@ def chat(
     n_gpu_layers: int | None,
     chat_format: str | None,
 ) -> None:
-    """Chat with the model; the conversation is stored and can be continued later."""
+    """Chat with the model; the conversation is stored and can be continued later.
+
+    Ctrl-C interrupts a reply and SIGTERM ends the program; either way the reply so far is
+    stored with status ``partial``.
+    """
     overrides = {
         k: v
         for k, v in {"max_tokens": max_tokens, "temperature": temperature}.items()
         if v is not None
     }
-    with ChatSession.open(
-        resolve_db(db),
-        conversation_id=conversation_id,
-        model=model,
-        system_prompt=system_prompt,
-        engine_options=build_engine_options(n_ctx, n_gpu_layers, chat_format),
-    ) as session:
+    with (
+        interruptible() as interrupts,
+        ChatSession.open(
+            resolve_db(db),
+            conversation_id=conversation_id,
+            model=model,
+            system_prompt=system_prompt,
+            engine_options=build_engine_options(n_ctx, n_gpu_layers, chat_format),
+        ) as session,
+    ):
         if overrides:
             stored = session.settings.model_dump() | overrides
             session.store.update_conversation(
@@ -83,40 +91,48 @@ def chat(
             f"[dim]conversation {session.conversation_id} · {info.path.name} · "
             f"n_ctx {info.n_ctx} · /help for commands[/dim]"
         )
-        while True:
-            try:
-                text = input("> ")
-            except (EOFError, KeyboardInterrupt):
-                click.echo()
-                break
-            text = text.strip()
-            if not text:
-                continue
-            if text.startswith("/"):
-                command = text.split()[0].lower()
-                if command in ("/quit", "/exit"):
-                    break
-                if command == "/history":
-                    _history(session)
-                elif command == "/stats":
-                    if session.last_reply:
-                        console.print(f"[dim]{turn_figures(session.last_reply)}[/dim]")
-                    else:
-                        console.print("[dim]no reply yet[/dim]")
-                else:
-                    click.echo(HELP)
-                continue
-            try:
-                stream = session.stream(text)
-            except ContextBudgetError as exc:
-                console.print(f"[red]{exc}[/red]")
-                continue
-            try:
-                for chunk in stream:
-                    click.echo(chunk, nl=False)
-            except KeyboardInterrupt:
-                stream.close()
-                click.echo(" [interrupted]", nl=False)
+        _repl(session, interrupts)
+
+
+def _repl(session: ChatSession, interrupts: Interrupts) -> None:
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):
             click.echo()
-            if session.last_reply:
-                console.print(f"[dim]{turn_figures(session.last_reply)}[/dim]")
+            break
+        text = text.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            command = text.split()[0].lower()
+            if command in ("/quit", "/exit"):
+                break
+            if command == "/history":
+                _history(session)
+            elif command == "/stats":
+                if session.last_reply:
+                    console.print(f"[dim]{turn_figures(session.last_reply)}[/dim]")
+                else:
+                    console.print("[dim]no reply yet[/dim]")
+            else:
+                click.echo(HELP)
+            continue
+        try:
+            stream = session.stream(text)
+        except ContextBudgetError as exc:
+            console.print(f"[red]{exc}[/red]")
+            continue
+        try:
+            for chunk in stream:
+                click.echo(chunk, nl=False)
+        except KeyboardInterrupt:
+            click.echo(" [interrupted]", nl=False)
+        finally:
+            # Ends the reply through ChatSession's own path (stored as partial) on Ctrl-C,
+            # on SIGTERM (Terminated passes through here) and on any error.
+            stream.close()
+        interrupts.rearm()
+        click.echo()
+        if session.last_reply:
+            console.print(f"[dim]{turn_figures(session.last_reply)}[/dim]")

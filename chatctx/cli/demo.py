@@ -21,6 +21,7 @@ from chatctx.cli._common import (
     resolve_db,
     turn_figures,
 )
+from chatctx.cli._signals import interruptible
 from chatctx.errors import StoreError
 from chatctx.session import ChatSession, Reply
 from chatctx.store import read_jsonl
@@ -59,7 +60,8 @@ def demo(
 ) -> None:
     """Send each user message of a logged support chat to the model and show what it cost.
 
-    The replies are generated (not the logged ones) and stored in a new conversation.
+    The replies are generated (not the logged ones) and stored in a new conversation. On
+    Ctrl-C or SIGTERM the reply so far is stored with status ``partial``.
     """
     if path is None:
         text = files("chatctx").joinpath(SAMPLE).read_text(encoding="utf-8")
@@ -74,14 +76,17 @@ def demo(
     user_turns = [m["content"] for m in record.messages if m["role"] == "user"]
     cid = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     replies: list[Reply] = []
-    with ChatSession.open(
-        resolve_db(db),
-        conversation_id=cid,
-        model=model,
-        system_prompt=record.system_prompt,
-        settings={"max_tokens": max_tokens, "seed": seed, "temperature": 0.7},
-        engine_options=build_engine_options(n_ctx, n_gpu_layers, chat_format),
-    ) as chat:
+    with (
+        interruptible(),
+        ChatSession.open(
+            resolve_db(db),
+            conversation_id=cid,
+            model=model,
+            system_prompt=record.system_prompt,
+            settings={"max_tokens": max_tokens, "seed": seed, "temperature": 0.7},
+            engine_options=build_engine_options(n_ctx, n_gpu_layers, chat_format),
+        ) as chat,
+    ):
         info = chat.engine.info()
         if not as_json:
             console.print(
@@ -93,9 +98,14 @@ def demo(
             if not as_json:
                 console.print(f"\n[bold cyan]user {number}:[/bold cyan] {user_text}")
                 console.print("[bold green]assistant:[/bold green] ", end="")
-            for chunk in chat.stream(user_text):
-                if not as_json:
-                    console.print(chunk, end="", markup=False)
+            stream = chat.stream(user_text)
+            try:
+                for chunk in stream:
+                    if not as_json:
+                        console.print(chunk, end="", markup=False)
+            finally:
+                # On Ctrl-C or SIGTERM this stores the partial reply before the session closes.
+                stream.close()
             assert chat.last_reply is not None
             replies.append(chat.last_reply)
             if not as_json:

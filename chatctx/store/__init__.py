@@ -1,6 +1,7 @@
 """The conversation store (SQLAlchemy; SQLite by default; Alembic migrations)."""
 
-from chatctx.store._db import Store, create_db_engine
+from chatctx.store._connect import create_db_engine
+from chatctx.store._db import Store
 from chatctx.store._jsonl import (
     ConversationRecord,
     export_conversation,

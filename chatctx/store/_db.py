@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from chatctx._resource import Closeable
 from chatctx.errors import ConversationNotFound, StoreError
 from chatctx.store import _migrate
+from chatctx.store._connect import _retry_busy, create_db_engine
 from chatctx.store._models import (
     ContextStateRow,
     ConversationRow,
@@ -35,46 +36,7 @@ from chatctx.store._records import (
     Turn,
 )
 
-BUSY_TIMEOUT_MS = 10_000
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any, *, wal: bool) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    if wal:
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
-
-
-def create_db_engine(url: str) -> Engine:
-    """An Engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise StoreError(f"not a database URL: {url!r}") from exc
-    kwargs: dict[str, Any] = {}
-    is_sqlite = parsed.get_backend_name() == "sqlite"
-    in_memory = is_sqlite and parsed.database in (None, "", ":memory:")
-    if in_memory:
-        # One shared connection, or each checkout would see a different empty database.
-        kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
-    elif is_sqlite and parsed.database:
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        kwargs["connect_args"] = {"timeout": BUSY_TIMEOUT_MS / 1000}
-    try:
-        engine = create_engine(parsed, **kwargs)
-    except (SQLAlchemyError, ImportError) as exc:
-        raise StoreError(f"cannot open database {url!r}: {exc}") from exc
-    if is_sqlite:
-        wal = not in_memory
-
-        @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_connection: Any, record: Any) -> None:
-            _sqlite_pragmas(dbapi_connection, record, wal=wal)
-
-    return engine
+logger = logging.getLogger("chatctx.store")
 
 
 def _message(row: MessageRow) -> Message:
@@ -125,39 +87,64 @@ class Store(Closeable):
     """Conversations, messages, summaries and per-turn figures in one database.
 
     Opening a store upgrades its schema to the newest migration. Use as a context manager.
+    Several processes and threads may share one database: writes are serialized (SQLite:
+    ``BEGIN IMMEDIATE``; others: the conversation row is locked for appends) and run again
+    with backoff while the database is busy; reads go on concurrently (SQLite WAL). An
+    in-memory SQLite store has one connection, used by one thread at a time.
     """
 
     def __init__(self, url: str, *, upgrade: bool = True) -> None:
         self.url = url
         self.engine = create_db_engine(url)
+        in_memory = isinstance(self.engine.pool, StaticPool)
+        self._lock: AbstractContextManager[Any] = threading.RLock() if in_memory else nullcontext()
         try:
             if upgrade:
-                _migrate.upgrade(self.engine)
-        except SQLAlchemyError as exc:
+                self._upgrade()
+        except BaseException:
             self.engine.dispose()
-            raise StoreError(f"cannot upgrade database {url!r}: {exc}") from exc
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+            raise
+        self._reads = sessionmaker(self.engine, expire_on_commit=False)
+        self._writes = sessionmaker(
+            self.engine.execution_options(**{_migrate.IMMEDIATE: True}), expire_on_commit=False
+        )
+
+    @_retry_busy
+    def _upgrade(self) -> None:
+        try:
+            _migrate.upgrade(self.engine)
+        except SQLAlchemyError as exc:
+            raise StoreError(f"cannot upgrade database {self.url!r}: {exc}") from exc
 
     def close(self) -> None:
         self.engine.dispose()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (a closed store is not written to)."""
+        return getattr(self, "_closed", False)
 
     @contextmanager
-    def _session(self) -> Iterator[Session]:
-        session = self._sessions()
-        try:
-            yield session
-            session.commit()
-        except SQLAlchemyError as exc:
-            session.rollback()
-            raise StoreError(f"database error: {exc}") from exc
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
+    def _session(self, *, write: bool = False) -> Iterator[Session]:
+        """One transaction; ``write`` takes the write lock when it begins (SQLite)."""
+        with self._lock:
+            session = (self._writes if write else self._reads)()
+            try:
+                yield session
+                session.commit()
+            except SQLAlchemyError as exc:
+                session.rollback()
+                raise StoreError(f"database error: {exc}") from exc
+            except BaseException:
+                session.rollback()
+                raise
+            finally:
+                session.close()
 
     # conversations -------------------------------------------------------------------------
 
+    @_retry_busy
     def create_conversation(
         self,
         conversation_id: str | None = None,
@@ -168,7 +155,7 @@ class Store(Closeable):
     ) -> Conversation:
         """Create a conversation; an id is generated when none is given."""
         cid = conversation_id or uuid.uuid4().hex[:12]
-        with self._session() as session:
+        with self._session(write=True) as session:
             if session.get(ConversationRow, cid) is not None:
                 raise StoreError(f"conversation {cid!r} already exists")
             row = ConversationRow(
@@ -192,6 +179,7 @@ class Store(Closeable):
         with self._session() as session:
             return session.get(ConversationRow, conversation_id) is not None
 
+    @_retry_busy
     def update_conversation(
         self,
         conversation_id: str,
@@ -201,7 +189,7 @@ class Store(Closeable):
         settings: dict[str, Any] | None = None,
     ) -> Conversation:
         """Change the given fields (None leaves a field as it is)."""
-        with self._session() as session:
+        with self._session(write=True) as session:
             row = session.get(ConversationRow, conversation_id)
             if row is None:
                 raise ConversationNotFound(conversation_id)
@@ -229,8 +217,9 @@ class Store(Closeable):
         with self._session() as session:
             return [_conversation(row, n) for row, n in session.execute(query)]
 
+    @_retry_busy
     def delete_conversation(self, conversation_id: str) -> None:
-        with self._session() as session:
+        with self._session(write=True) as session:
             row = session.get(ConversationRow, conversation_id)
             if row is None:
                 raise ConversationNotFound(conversation_id)
@@ -264,6 +253,7 @@ class Store(Closeable):
             ],
         )[0]
 
+    @_retry_busy
     def add_messages(
         self, conversation_id: str, messages: Sequence[dict[str, Any]]
     ) -> list[Message]:
@@ -271,8 +261,10 @@ class Store(Closeable):
         for message in messages:
             if message["role"] not in ROLES:
                 raise StoreError(f"unknown role {message['role']!r}")
-        with self._session() as session:
-            conversation = session.get(ConversationRow, conversation_id)
+        with self._session(write=True) as session:
+            # The write lock (SQLite) or this row lock (other databases) serializes appends
+            # to one conversation, so the next position is read by one writer at a time.
+            conversation = session.get(ConversationRow, conversation_id, with_for_update=True)
             if conversation is None:
                 raise ConversationNotFound(conversation_id)
             last = session.scalar(
@@ -300,9 +292,10 @@ class Store(Closeable):
             session.flush()
             return [_message(row) for row in rows]
 
+    @_retry_busy
     def update_message(self, message_id: int, *, content: str, status: str) -> Message:
         """Set a message's content and status (used to finish a streamed reply)."""
-        with self._session() as session:
+        with self._session(write=True) as session:
             row = session.get(MessageRow, message_id)
             if row is None:
                 raise StoreError(f"no message with id {message_id}")
@@ -347,9 +340,10 @@ class Store(Closeable):
             )
             return [_message(row) for row in rows]
 
+    @_retry_busy
     def set_pinned(self, message_id: int, pinned: bool = True) -> Message:
         """Pin a message: it is then always sent, right after the system prompt."""
-        with self._session() as session:
+        with self._session(write=True) as session:
             row = session.get(MessageRow, message_id)
             if row is None:
                 raise StoreError(f"no message with id {message_id}")
@@ -373,9 +367,10 @@ class Store(Closeable):
                 found.update({mid: n for mid, n in rows})
         return found
 
+    @_retry_busy
     def put_token_counts(self, fingerprint: str, counts: Mapping[int, int]) -> None:
         ids = list(counts)
-        with self._session() as session:
+        with self._session(write=True) as session:
             for start in range(0, len(ids), 500):
                 chunk = ids[start : start + 500]
                 session.execute(
@@ -404,6 +399,7 @@ class Store(Closeable):
                 pending_ids=tuple(row.pending_ids or ()),
             )
 
+    @_retry_busy
     def save_context_state(
         self,
         conversation_id: str,
@@ -417,7 +413,7 @@ class Store(Closeable):
         ``new_summary`` is (content, newly covered message ids, token count, tokenizer).
         Both are written in one transaction.
         """
-        with self._session() as session:
+        with self._session(write=True) as session:
             row = session.get(ContextStateRow, conversation_id)
             if row is None:
                 row = ContextStateRow(conversation_id=conversation_id, pending_ids=[])
@@ -458,9 +454,10 @@ class Store(Closeable):
 
     # turns ---------------------------------------------------------------------------------
 
+    @_retry_busy
     def add_turn(self, conversation_id: str, **figures: Any) -> Turn:
         """Record one turn's token and timing figures."""
-        with self._session() as session:
+        with self._session(write=True) as session:
             row = TurnRow(conversation_id=conversation_id, **figures)
             session.add(row)
             session.flush()
@@ -474,3 +471,52 @@ class Store(Closeable):
                 .order_by(TurnRow.id)
             )
             return [_turn(row) for row in rows]
+
+    # recall --------------------------------------------------------------------------------
+
+    def search_messages(
+        self,
+        conversation_id: str,
+        query: str,
+        *,
+        before_position: int | None = None,
+        exclude_ids: Sequence[int] = (),
+        limit: int = 5,
+        replies: bool = False,
+    ) -> list[tuple[Message, float]]:
+        """The conversation's messages that best match the words of ``query``, best first.
+
+        Scores are BM25 on SQLite (FTS5, porter stemming), a term-rarity score elsewhere;
+        higher is better. Only messages before ``before_position`` and not in
+        ``exclude_ids`` are searched. Any text is a valid query: FTS syntax in it is quoted.
+        With ``replies``, each matched user message is followed in the list by the assistant
+        message right after it (when that one is searchable and not listed already), with the
+        same score, so callers can recall the exchange as a whole.
+        """
+        from chatctx.store import _search  # local: the rest of this module stays unaware
+
+        with self._session() as session:
+            found = _search.search(
+                session.connection(),
+                conversation_id,
+                query,
+                before_position=before_position,
+                exclude_ids=exclude_ids,
+                limit=2 * limit if replies else limit,  # a reply may also be a match
+                replies=replies,
+            )
+        out: list[tuple[Message, float]] = []
+        seen: set[int] = set()
+        hits = 0
+        for match in found:
+            if match.row.id in seen:  # listed already as the reply to a better match
+                continue
+            if hits == limit:
+                break
+            hits += 1
+            seen.add(match.row.id)
+            out.append((_message(match.row), match.score))
+            if match.reply is not None and match.reply.id not in seen:
+                seen.add(match.reply.id)
+                out.append((_message(match.reply), match.score))
+        return out

@@ -8,6 +8,7 @@ from alembic.runtime.migration import MigrationContext
 
 from chatctx.store import Store, create_db_engine, current_revision, head_revision, upgrade
 from chatctx.store._models import Base
+from chatctx.store._search import include_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,8 @@ def test_upgrade_from_empty_equals_orm_metadata(db_url: str) -> None:
     upgrade(engine)
     assert current_revision(engine) == head_revision()
     with engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        context = MigrationContext.configure(conn, opts={"include_name": include_name})
+        diff = compare_metadata(context, Base.metadata)
     engine.dispose()
     assert diff == []
 

@@ -1,0 +1,239 @@
+"""Full-text search over stored messages: what recall asks the store for.
+
+SQLite: an FTS5 index (``messages_fts``, porter stemming, BM25 ranking) kept in step with
+``messages`` by the triggers migration 0005 installs. Other databases (until PostgreSQL's own
+full-text search is wired in): a portable ``LIKE`` query scored here by the matched terms.
+
+User text is never passed to ``MATCH`` as is: it is cut into word terms, stopwords go, and each
+term is quoted, so FTS syntax or punctuation in a message can never raise.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+from sqlalchemy import Connection, Float, Row, column, or_, select, text
+from sqlalchemy.sql.selectable import TextualSelect
+
+from chatctx.store._models import MessageRow
+
+FTS_TABLE = "messages_fts"
+MAX_TERMS = 32
+FALLBACK_ROWS = 5000  # the portable search scores at most this many recent candidates
+
+_WORD = re.compile(r"[^\W_]+")
+# A small English list: function words and chat filler carry no topic.
+STOPWORDS = frozenset(
+    """
+    a about above after again against all also am an and any are aren as at be because been
+    before being below between both but by can cannot could couldn did didn do does doesn doing
+    don down during each else even ever few for from further get got had hadn has hasn have
+    haven having he her here hers herself him himself his how i if in into is isn it its itself
+    just know let like ll m me might more most much must mustn my myself no nor not now of off
+    oh ok okay on once one only or other ought our ours ourselves out over own please re really
+    s same say said shall shan she should shouldn so some still such sure t than thank thanks
+    that the their theirs them themselves then there these they this those though through to too
+    under until up us ve very was wasn way we well were weren what when where which while who
+    whom why will with won would wouldn yeah yes yet you your yours yourself yourselves anyway
+    hi hello hey bye tell remember think want remind mentioned told thing things stuff something
+    anything everything nothing lot kind sort bit maybe actually guess mean right good great
+    nice cool lol haha gonna wanna yep nope hmm um uh
+    """.split()  # noqa: SIM905
+)
+
+
+def query_terms(text_: str) -> list[str]:
+    """The searchable words of ``text_``: casefolded, stopwords and 1-letter words dropped."""
+    terms: dict[str, None] = {}
+    for word in _WORD.findall(text_.casefold()):
+        if word in STOPWORDS or (len(word) < 2 and not word.isdigit()):
+            continue
+        terms[word] = None
+        if len(terms) >= MAX_TERMS:
+            break
+    return list(terms)
+
+
+def stem_prefix(term: str) -> str | None:
+    """A prefix that also matches other forms of a long word ("allergic" and "allergy")."""
+    if len(term) < 7 or not term.isalpha():
+        return None
+    return term[: max(5, len(term) - 3)]
+
+
+def fts_query(terms: Sequence[str]) -> str:
+    """An FTS5 query matching any term: each one quoted (no operators reach FTS5)."""
+    parts: list[str] = []
+    for term in terms:
+        parts.append(f'"{term}"')
+        prefix = stem_prefix(term)
+        if prefix is not None:
+            parts.append(f'"{prefix}"*')
+    return " OR ".join(parts)
+
+
+def has_fts(connection: Connection) -> bool:
+    """Whether this database has the FTS5 index (SQLite at revision 0005 or later)."""
+    if connection.dialect.name != "sqlite":
+        return False
+    found = connection.execute(
+        text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :name"),
+        {"name": FTS_TABLE},
+    ).first()
+    return found is not None
+
+
+class Match(NamedTuple):
+    """A matched message row, its score (higher is better), and the reply row after it."""
+
+    row: Any  # a message row: its columns as attributes
+    score: float
+    reply: Any | None
+
+
+def _statement(replies: bool) -> TextualSelect:
+    # Built once: composing the query with SQLAlchemy's expression API each turn cost more
+    # than running it. Typed columns keep the result processing (UTC datetimes, JSON).
+    names = [c.name for c in MessageRow.__table__.c]
+    typed = [column(c.name, c.type) for c in MessageRow.__table__.c]
+    select_ = ", ".join(f"m.{n}" for n in names)
+    join = ""
+    if replies:
+        select_ += ", " + ", ".join(f"r.{n} AS reply_{n}" for n in names)
+        typed += [column(f"reply_{c.name}", c.type) for c in MessageRow.__table__.c]
+        join = (
+            " LEFT JOIN messages AS r ON m.role = 'user' "
+            "AND r.conversation_id = m.conversation_id AND r.position = m.position + 1 "
+            "AND r.role = 'assistant' AND r.position < :before"
+        )
+    select_ += ", -bm25(messages_fts) AS score"  # last, as in ``typed``
+    sql = (
+        f"SELECT {select_} FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
+        f"{join} WHERE messages_fts MATCH :query AND m.conversation_id = :cid "
+        "AND m.position < :before "
+        # Ties go to the later message: what was said last is more likely still true.
+        "ORDER BY score DESC, m.position DESC LIMIT :limit"
+    )
+    return text(sql).columns(*typed, column("score", Float()))
+
+
+_STATEMENTS = {replies: _statement(replies) for replies in (False, True)}
+
+
+def search(
+    connection: Connection,
+    conversation_id: str,
+    query: str,
+    *,
+    before_position: int | None,
+    exclude_ids: Sequence[int],
+    limit: int,
+    replies: bool,
+) -> list[Match]:
+    """The best matches, best first; with ``replies``, each user message's reply too.
+
+    A reply is the assistant message right after a matched user message, when it is before
+    ``before_position`` and not excluded.
+    """
+    terms = query_terms(query)
+    if not terms or limit <= 0:
+        return []
+    excluded = set(exclude_ids)
+    before = before_position if before_position is not None else 2**62
+    if has_fts(connection):
+        found = _fts(connection, conversation_id, terms, before, limit + len(excluded), replies)
+    else:
+        found = _portable(connection, conversation_id, terms, before, replies)
+    out: list[Match] = []
+    for match in found:
+        if match.row.id in excluded:
+            continue
+        if match.reply is not None and match.reply.id in excluded:
+            match = match._replace(reply=None)
+        out.append(match)
+    return out[:limit]
+
+
+def _fts(
+    connection: Connection,
+    conversation_id: str,
+    terms: Sequence[str],
+    before: int,
+    limit: int,
+    replies: bool,
+) -> list[Match]:
+    # One statement: the matches and, joined, the replies after them.
+    rows = connection.execute(
+        _STATEMENTS[replies],
+        {"query": fts_query(terms), "cid": conversation_id, "before": before, "limit": limit},
+    )
+    names = [c.name for c in MessageRow.__table__.c]
+    out: list[Match] = []
+    for row in rows:
+        reply = None
+        if replies and row.reply_id is not None:
+            # The reply's columns under their own names, as a message row has them.
+            reply = SimpleNamespace(**{n: getattr(row, f"reply_{n}") for n in names})
+        out.append(Match(row, float(row.score), reply))
+    return out
+
+
+def _portable(
+    connection: Connection,
+    conversation_id: str,
+    terms: Sequence[str],
+    before: int,
+    replies: bool,
+) -> list[Match]:
+    # Any SQL database: candidates by LIKE, scored by the matched terms weighted by rarity
+    # among the candidates (a crude IDF), so one rare shared word beats two common ones.
+    table_ = MessageRow.__table__
+    content = table_.c.content
+    query = (
+        select(table_)
+        .where(
+            table_.c.conversation_id == conversation_id,
+            table_.c.position < before,
+            or_(*[content.icontains(term, autoescape=True) for term in terms]),
+        )
+        .order_by(table_.c.position.desc())
+        .limit(FALLBACK_ROWS)
+    )
+    rows = list(connection.execute(query))
+    found = [{t for t in terms if t in str(row.content).casefold()} for row in rows]
+    df = {t: sum(t in f for f in found) for t in terms}
+    n = len(rows)
+    scored = [
+        (row, sum(math.log(1 + n / df[t]) for t in matched))
+        for row, matched in zip(rows, found, strict=True)
+        if matched
+    ]
+    scored.sort(key=lambda item: (-item[1], -item[0].position))
+    after: dict[int, Row[Any]] = {}
+    wanted = [row.position + 1 for row, _ in scored if row.role == "user"]
+    if replies and wanted:
+        after = {
+            r.position: r
+            for r in connection.execute(
+                select(table_).where(
+                    table_.c.conversation_id == conversation_id,
+                    table_.c.position.in_(wanted),
+                    table_.c.position < before,
+                    table_.c.role == "assistant",
+                )
+            )
+        }
+    return [
+        Match(row, score, after.get(row.position + 1) if row.role == "user" else None)
+        for row, score in scored
+    ]
+
+
+def include_name(name: str | None, type_: str, parent_names: object) -> bool:
+    """Alembic ``include_name`` filter: the FTS table and its shadow tables are not ORM
+    tables (migration 0005 owns them), so autogenerate must not propose dropping them."""
+    return not (type_ == "table" and name is not None and name.startswith(FTS_TABLE))
