@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
-from typing import TextIO
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from chatctx.cli._common import (
@@ -17,6 +17,7 @@ from chatctx.cli._common import (
     print_json,
     resolve_db,
 )
+from chatctx.errors import ImportFormatError
 from chatctx.store import Store, export_conversation, export_jsonl, import_records, read_jsonl
 
 
@@ -53,7 +54,7 @@ def list_command(db: str | None, as_json: bool) -> None:
     table = Table("id", "messages", "updated", "title")
     for c in items:
         updated = c.updated_at.strftime("%Y-%m-%d %H:%M") if c.updated_at else ""
-        table.add_row(c.id, str(c.message_count), updated, c.title or "")
+        table.add_row(escape(c.id), str(c.message_count), updated, escape(c.title or ""))
     console.print(table)
 
 
@@ -77,12 +78,12 @@ def show_command(conversation_id: str, db: str | None, as_json: bool) -> None:
             }
         )
         return
-    console.print(f"[bold]{conversation.id}[/bold]  {conversation.message_count} messages")
+    console.print(f"[bold]{escape(conversation.id)}[/bold]  {conversation.message_count} messages")
     if conversation.system_prompt:
-        console.print(f"[dim]system:[/dim] {conversation.system_prompt}")
+        console.print(f"[dim]system:[/dim] {escape(conversation.system_prompt)}")
     for m in messages:
         flag = "" if m.status == "complete" else f" [yellow]({m.status})[/yellow]"
-        console.print(f"[bold]{m.role}[/bold]{flag}: {m.content}", markup=True)
+        console.print(f"[bold]{m.role}[/bold]{flag}: {escape(m.content)}", markup=True)
 
 
 @conversations.command("export")
@@ -111,13 +112,27 @@ def export_command(conversation_ids: tuple[str, ...], output: str, db: str | Non
 
 
 @conversations.command("import")
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
 @db_option
 @handle_errors
-def import_command(file: TextIO, db: str | None) -> None:
-    """Import conversations from JSON Lines ('-' reads stdin); all or nothing."""
-    source = getattr(file, "name", "<input>")
-    records = list(read_jsonl(file, source=source))
+def import_command(file: str, db: str | None) -> None:
+    """Import conversations from JSON Lines ('-' reads stdin); all or nothing.
+
+    A bad line is refused as FILE:LINE: reason, and nothing is stored.
+    """
+    # A file name that is not UTF-8 is shown with escapes (it must still print).
+    source = "<stdin>" if file == "-" else file.encode("utf-8", "backslashreplace").decode()
+    # Read as bytes: read_jsonl checks UTF-8 per line and never holds more than one
+    # line's limit of a hostile line.
+    if file == "-":
+        records = list(read_jsonl(sys.stdin.buffer, source=source))
+    else:
+        try:
+            stream = open(file, "rb")  # noqa: SIM115 - closed by the with below
+        except OSError as exc:
+            raise ImportFormatError(f"cannot read: {exc.strerror}", line=0, source=source) from exc
+        with stream:
+            records = list(read_jsonl(stream, source=source))
     with Store(resolve_db(db)) as store:
         ids = import_records(store, records)
     click.echo(f"imported {len(ids)} conversation(s): {', '.join(ids)}")

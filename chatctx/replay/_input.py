@@ -4,12 +4,17 @@ OpenAI: ``{"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}``
 ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}``
 Either may carry ``"probes": [{"fact": "NH-48213", "asked_turn": 12}]`` (see
 ``chatctx.synthetic``). Files may be gzip-compressed; ``-`` reads standard input.
+
+Lines are untrusted and read as strictly as ``chatctx conversations import`` reads them
+(``chatctx.store._jsonl.load_line``): at most 16 MiB, UTF-8, strict JSON, at most 64 levels
+deep, no lone surrogates (refused, not replaced). Every field is type-checked; a bad line is an
+``ImportFormatError`` naming ``FILE:LINE``, which ``read_logs(on_error="skip")`` reports and
+steps over.
 """
 
 from __future__ import annotations
 
 import gzip
-import json
 import logging
 import sys
 from collections.abc import Iterable, Iterator
@@ -18,6 +23,19 @@ from pathlib import Path
 from typing import IO, Any
 
 from chatctx.errors import ImportFormatError
+from chatctx.store._jsonl import (
+    MAX_NAME_CHARS,
+    READ_ERRORS,
+    LineRef,
+    check_id,
+    check_status,
+    check_text,
+    check_tool_calls,
+    kind,
+    load_line,
+    read_lines,
+    show,
+)
 
 logger = logging.getLogger("chatctx.replay")
 
@@ -63,71 +81,109 @@ class LoggedConversation:
         return out
 
 
-def _fail(message: str, line: int, source: str) -> ImportFormatError:
-    return ImportFormatError(message, line=line, source=source)
+def _content(raw: dict[str, Any], where: str, ref: LineRef) -> str:
+    """A message's text: a string, or the text of its content parts (others are skipped)."""
+    content = raw.get("content")
+    if content is None and raw.get("tool_calls"):
+        return ""
+    if isinstance(content, list):
+        texts: list[str] = []
+        for number, part in enumerate(content, start=1):
+            at = f"{where}: content part {number}"
+            if not isinstance(part, dict):
+                raise ref.error(f"{at}: expected an object, got {kind(part)}")
+            text = part.get("text")
+            if text is None:
+                if part.get("type") in (None, "text"):
+                    raise ref.error(f'{at}: a text part needs a "text" string')
+                continue  # an image or audio part: nothing to replay
+            if not isinstance(text, str):
+                raise ref.error(f'{at}: "text" must be a string, got {kind(text)}')
+            texts.append(text)
+        return "".join(texts)
+    if not isinstance(content, str):
+        raise ref.error(
+            f"{where}: content must be a string or a list of parts, got {kind(content)}"
+        )
+    return content
 
 
-def _message(raw: Any, index: int, line: int, source: str, sharegpt: bool) -> dict[str, Any]:
+def _message(raw: Any, index: int, ref: LineRef, sharegpt: bool) -> dict[str, Any]:
     where = f"message {index}"
     if not isinstance(raw, dict):
-        raise _fail(f"{where}: expected an object", line, source)
+        raise ref.error(f"{where}: expected an object, got {kind(raw)}")
+    check_status(raw, where, ref)
     if sharegpt:
-        role = _SHAREGPT_ROLES.get(str(raw.get("from")))
+        speaker = raw.get("from")
+        role = _SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
         if role is None:
-            raise _fail(f"{where}: unknown role {raw.get('from')!r}", line, source)
+            raise ref.error(f"{where}: unknown role {show(speaker)}")
         content = raw.get("value")
-    else:
-        role = raw.get("role")
-        if role not in _ROLES:
-            raise _fail(f"{where}: unknown role {role!r}", line, source)
-        content = raw.get("content")
-        if content is None and raw.get("tool_calls"):
-            content = ""
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if not isinstance(content, str):
-        raise _fail(f"{where}: content must be a string", line, source)
-    out: dict[str, Any] = {"role": role, "content": content}
-    for key in ("name", "tool_call_id", "tool_calls"):
-        if not sharegpt and raw.get(key) is not None:
-            out[key] = raw[key]
+        if not isinstance(content, str):
+            raise ref.error(f'{where}: "value" must be a string, got {kind(content)}')
+        return {"role": role, "content": content}
+    role = raw.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise ref.error(f"{where}: unknown role {show(role)}")
+    tool_calls = check_tool_calls(raw.get("tool_calls"), where, ref)
+    out: dict[str, Any] = {"role": role, "content": _content(raw, where, ref)}
+    for key in ("name", "tool_call_id"):
+        value = check_text(raw, key, where, ref, MAX_NAME_CHARS)
+        if value is not None:
+            out[key] = value
+    if tool_calls is not None:
+        out["tool_calls"] = tool_calls
     return out
 
 
-def parse_logged(text: str, *, line: int, source: str = "<input>") -> LoggedConversation:
-    """One JSON Lines record in either format; errors name the file and line."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _fail(f"not valid JSON ({exc.msg} at column {exc.colno})", line, source) from exc
-    if not isinstance(data, dict):
-        raise _fail("expected a JSON object", line, source)
+def _probes(value: Any, ref: LineRef) -> list[Probe]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ref.error(f'"probes" must be a list, got {kind(value)}')
+    probes = []
+    for number, item in enumerate(value, start=1):
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("fact"), str)
+            or not item["fact"]
+            or isinstance(item.get("asked_turn"), bool)
+            or not isinstance(item.get("asked_turn"), int)
+            or item["asked_turn"] < 0
+            or not isinstance(item.get("kind"), str | None)
+        ):
+            raise ref.error(
+                f'probe {number}: needs "fact" (a non-empty string), "asked_turn" (an integer '
+                'from 0) and an optional "kind" (a string)'
+            )
+        probes.append(
+            Probe(fact=item["fact"], asked_turn=item["asked_turn"], kind=item.get("kind"))
+        )
+    return probes
+
+
+def parse_logged(text: str | bytes, *, line: int, source: str = "<input>") -> LoggedConversation:
+    """One JSON Lines record in either format (text or raw bytes); errors name file and line.
+
+    The line is read as strictly as ``chatctx conversations import`` reads it (size, UTF-8,
+    nesting, lone surrogates, NaN: see ``chatctx.store._jsonl``) and every field is type-checked.
+    """
+    ref = LineRef(line, source)
+    data = load_line(text, ref)
     sharegpt = "conversations" in data
     raw = data.get("conversations") if sharegpt else data.get("messages")
     if not isinstance(raw, list):
-        raise _fail(
-            'expected a "messages" (OpenAI) or "conversations" (ShareGPT) list', line, source
-        )
-    messages = [_message(m, i, line, source, sharegpt) for i, m in enumerate(raw, start=1)]
+        raise ref.error('expected a "messages" (OpenAI) or "conversations" (ShareGPT) list')
+    messages = [_message(m, i, ref, sharegpt) for i, m in enumerate(raw, start=1)]
     system = None
     if messages and messages[0]["role"] == "system":
         system = messages.pop(0)["content"]
     if not any(m["role"] == "user" for m in messages):
-        raise _fail("empty conversation: no user message", line, source)
-    probes = []
-    for item in data.get("probes") or []:
-        if (
-            not isinstance(item, dict)
-            or not isinstance(item.get("fact"), str)
-            or not isinstance(item.get("asked_turn"), int)
-        ):
-            raise _fail('a probe needs "fact" (string) and "asked_turn" (integer)', line, source)
-        probes.append(
-            Probe(fact=item["fact"], asked_turn=item["asked_turn"], kind=item.get("kind"))
-        )
-    cid = data.get("id")
+        raise ref.error("empty conversation: no user message")
+    probes = _probes(data.get("probes"), ref)
+    cid = check_id(data.get("id"), ref)
     return LoggedConversation(
-        id=str(cid) if cid is not None else f"{Path(source).name}:{line}",
+        id=cid if cid is not None else f"{Path(source).name}:{line}",
         system_prompt=system,
         messages=messages,
         probes=probes,
@@ -150,33 +206,51 @@ def read_logs(
     """Conversations from JSON Lines files, in order.
 
     ``on_error="fail"`` raises ``ImportFormatError`` at the first bad line; ``"skip"`` logs
-    it, appends it to ``errors`` and goes on.
+    it, appends it to ``errors`` and goes on. A bad line is any line ``parse_logged`` refuses,
+    or a second line with an id already read. A file that cannot be opened, or stops being
+    readable (a corrupt gzip stream), ends with an error even when skipping.
     """
+    seen: dict[str, str] = {}  # explicit id -> where it was first read
     for path in paths:
-        source = "<stdin>" if path == "-" else path
+        source = "<stdin>" if path == "-" else path.encode("utf-8", "backslashreplace").decode()
         try:
             stream = _open(path)
         except OSError as exc:
             raise ImportFormatError(f"cannot read: {exc.strerror}", line=0, source=source) from exc
+        number = 0
         try:
-            for number, raw in enumerate(stream, start=1):
+            lines = read_lines(stream)
+            while True:
+                number += 1
                 try:
-                    try:
-                        text = raw.decode("utf-8")
-                    except UnicodeDecodeError as exc:
-                        raise _fail(f"invalid UTF-8 (byte {exc.start})", number, source) from exc
-                    except (OSError, EOFError) as exc:
-                        raise _fail(f"unreadable: {exc}", number, source) from exc
-                    if text.strip():
-                        yield parse_logged(text, line=number, source=source)
+                    raw = next(lines)
+                except StopIteration:
+                    break
+                except READ_ERRORS as exc:
+                    raise ImportFormatError(
+                        f"unreadable: {exc}", line=number, source=source
+                    ) from exc
+                if not raw.strip():
+                    continue
+                try:
+                    conversation = parse_logged(raw, line=number, source=source)
+                    first = seen.get(conversation.id)
+                    if first is not None:
+                        raise LineRef(number, source).error(
+                            f"duplicate id {show(conversation.id)} (first at {first})"
+                        )
+                    # An id made up from the file name is not the log's: two files of one name
+                    # in different folders must not clash.
+                    if conversation.id != f"{Path(source).name}:{number}":
+                        seen[conversation.id] = f"{source}:{number}"
                 except ImportFormatError as exc:
                     if on_error != "skip":
                         raise
                     logger.warning("skipped %s", exc)
                     if errors is not None:
                         errors.append(exc)
-        except (OSError, EOFError) as exc:  # a truncated gzip stream, say
-            raise ImportFormatError(f"unreadable: {exc}", line=0, source=source) from exc
+                    continue
+                yield conversation
         finally:
             if path != "-":
                 stream.close()

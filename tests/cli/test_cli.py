@@ -160,3 +160,16 @@ def test_demo_json(db_url: str, tiny_llama3_path: Path) -> None:
     assert all(t["reused_tokens"] > 0 for t in turns[1:])
     with Store(db_url) as store:
         assert len(store.messages(report["conversation"])) == 16
+
+
+def test_show_and_list_print_markup_like_text_verbatim(db_url: str) -> None:
+    # Imported or typed text is data, never rich markup (an unmatched [/x] used to crash).
+    with Store(db_url) as store:
+        store.create_conversation("c[/b]", title="[/t] title", system_prompt="sys [bold]x")
+        store.add_message("c[/b]", "user", "hi [/x] there [red]")
+    shown = CliRunner().invoke(cli, ["conversations", "show", "c[/b]", "--db", db_url])
+    assert shown.exit_code == 0, shown.output
+    assert "hi [/x] there [red]" in shown.output and "sys [bold]x" in shown.output
+    listed = CliRunner().invoke(cli, ["conversations", "list", "--db", db_url])
+    assert listed.exit_code == 0, listed.output
+    assert "c[/b]" in listed.output and "[/t] title" in listed.output
