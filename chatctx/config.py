@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -65,6 +65,23 @@ class ContextSettings(_Model):
         description="Cut a single message that cannot fit in the middle (with a marker) "
         "instead of raising ContextBudgetError.",
     )
+    recall: bool = Field(
+        True,
+        description="Search the evicted history for the new message's words (full-text, BM25) "
+        "and send the best matches right before it, after the cached history.",
+    )
+    recall_budget: int = Field(
+        96,
+        ge=0,
+        description="Most tokens the recalled messages may take (0 = no recall); recall only "
+        "uses room the prompt leaves under the budget and never causes an eviction.",
+    )
+    recall_k: int = Field(3, ge=1, le=50, description="Most evicted messages one turn may recall.")
+    recall_trigger: Literal["question", "always"] = Field(
+        "question",
+        description="question: recall only for a message that may ask about the past (a "
+        "question, or words such as 'remind', 'told', 'mentioned'); always: every message.",
+    )
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> ContextSettings:
@@ -83,7 +100,11 @@ class EngineConfig(_Model):
     n_seq_max: int = Field(1, ge=1, le=64, description="Sequences (KV streams) in the context.")
     kv_unified: bool = Field(True, description="All sequences share one KV buffer of n_ctx.")
     n_gpu_layers: int = Field(-1, ge=-1, description="Layers offloaded to the GPU (-1 = all).")
-    flash_attn: bool | None = Field(None, description="Flash attention; None = llama.cpp auto.")
+    flash_attn: bool | None = Field(
+        None,
+        description="Flash attention; None = auto (on for a quantized V cache, else llama.cpp "
+        "decides). Off with a quantized V cache is a ConfigError.",
+    )
     type_k: KVType = Field("f16", description="KV cache type for keys.")
     type_v: KVType = Field("f16", description="KV cache type for values (quantized needs FA).")
     n_threads: int | None = Field(None, ge=1, description="CPU threads; None = all cores.")
@@ -93,6 +114,47 @@ class EngineConfig(_Model):
     chat_template: str | None = Field(
         None, description="Jinja chat template overriding the GGUF's own."
     )
+    rope_scaling: Literal["none", "linear", "yarn"] | None = Field(
+        None, description="RoPE scaling type; None = the model's own (from the GGUF)."
+    )
+    rope_freq_base: float | None = Field(
+        None, gt=0, description="RoPE base frequency; None = the model's own."
+    )
+    rope_freq_scale: float | None = Field(
+        None, gt=0, description="RoPE frequency scale (linear: trained / wanted context)."
+    )
+    yarn_orig_ctx: int | None = Field(
+        None, ge=1, description="YaRN: the context the model was trained on; None = the GGUF's."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_cache_types(cls, data: Any) -> Any:
+        """Check KV types before llama.cpp sees them; auto flash attention for quantized V."""
+        if not isinstance(data, dict):
+            return data
+        # Imported here: chatctx.engine imports this module.
+        from chatctx.engine._memory import resolve_flash_attn
+
+        flash = data.get("flash_attn")
+        if isinstance(flash, str):
+            words = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+            if flash.lower() not in words:
+                raise ConfigError(f"flash_attn must be on, off or auto, not {flash!r}")
+            flash = words[flash.lower()]
+        resolved = resolve_flash_attn(
+            str(data.get("type_k", "f16")), str(data.get("type_v", "f16")), flash
+        )
+        return {**data, "flash_attn": resolved}
+
+    @model_validator(mode="after")
+    def _kv_cache_types_after(self) -> EngineConfig:
+        # Validating an existing instance skips the dict path above: check again.
+        from chatctx.engine._memory import resolve_flash_attn
+
+        if resolve_flash_attn(self.type_k, self.type_v, self.flash_attn) != self.flash_attn:
+            raise ConfigError(f"type_v={self.type_v} needs flash_attn on (it is {self.flash_attn})")
+        return self
 
 
 def default_home() -> Path:

@@ -91,8 +91,15 @@ def write_tiny_llama3(
     seed: int = 0,
     chat_template: str | None = LLAMA3_TEMPLATE,
     tokenizer_pre: str = "llama-bpe",
+    weight_type: str = "f32",
+    share_layers: bool = False,
 ) -> Path:
-    """Write a random-weight Llama-architecture GGUF with the real Llama 3 tokenizer."""
+    """Write a random-weight Llama-architecture GGUF with the real Llama 3 tokenizer.
+
+    ``weight_type`` ("f32" or "f16") is the layers' matrix type. ``share_layers`` writes the
+    same random matrices into every layer: a large shape (Llama-3-8B's, for speed checks) is
+    then generated in seconds and held in memory once; its speed is a real model's.
+    """
     import gguf
     import numpy as np
 
@@ -105,8 +112,18 @@ def write_tiny_llama3(
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
 
+    if weight_type not in ("f32", "f16"):
+        raise ValueError(f"weight_type must be f32 or f16, not {weight_type!r}")
+    dtype = np.float16 if weight_type == "f16" else np.float32
+    shared: dict[tuple[int, ...], np.ndarray] = {}
+
     def weight(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        if share_layers and shape in shared:
+            return shared[shape]
+        value = (rng.standard_normal(shape) * 0.02).astype(dtype)
+        if share_layers:
+            shared[shape] = value
+        return value
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama3-random")

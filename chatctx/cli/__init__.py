@@ -11,8 +11,10 @@ from chatctx.cli.chat import chat
 from chatctx.cli.conversations import conversations
 from chatctx.cli.db import db
 from chatctx.cli.demo import demo
+from chatctx.cli.doctor import doctor
 from chatctx.cli.inspect import inspect
 from chatctx.cli.models import models
+from chatctx.cli.plan import plan
 from chatctx.cli.replay import replay, tune
 from chatctx.cli.stats import stats
 from chatctx.cli.synth import synth
@@ -31,8 +33,10 @@ cli.add_command(chat)
 cli.add_command(conversations)
 cli.add_command(db)
 cli.add_command(demo)
+cli.add_command(doctor)
 cli.add_command(inspect)
 cli.add_command(models)
+cli.add_command(plan)
 cli.add_command(replay)
 cli.add_command(stats)
 cli.add_command(synth)

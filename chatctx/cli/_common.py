@@ -78,27 +78,77 @@ def is_tty() -> bool:
     return sys.stdout.isatty()
 
 
+_KV_TYPES = ["f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+# Options that only shape the llama.cpp context: collected here and merged by
+# ``build_engine_options``, so commands need no parameter for each.
+_CACHE_OPTIONS = ("type_k", "type_v", "flash_attn", "rope_scaling", "rope_freq_scale")
+
+
 def engine_options(func: F) -> F:
-    """--n-ctx, --n-gpu-layers, --chat-format: how the model is loaded."""
-    func = click.option(
-        "--chat-format",
-        type=click.Choice(["llama-3", "chatml"]),
-        default=None,
-        help="Built-in chat format for a GGUF without a chat template.",
-    )(func)
-    func = click.option(
-        "--n-gpu-layers",
-        type=int,
-        default=None,
-        help="Layers to offload to the GPU (default: all, when there is one).",
-    )(func)
-    func = click.option(
-        "--n-ctx",
-        type=int,
-        default=None,
-        help="Context size in tokens (default: CHATCTX_N_CTX or 4096).",
-    )(func)
-    return func
+    """How the model is loaded: --n-ctx, --n-gpu-layers, --chat-format, KV cache and RoPE."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        cache = {key: kwargs.pop(key) for key in _CACHE_OPTIONS}
+        click.get_current_context().meta["chatctx.engine"] = {
+            key: value for key, value in cache.items() if value is not None
+        }
+        return func(*args, **kwargs)
+
+    command: Any = wrapper
+    for decorator in (
+        click.option(
+            "--rope-freq-scale",
+            type=float,
+            default=None,
+            help="RoPE frequency scale (linear scaling: trained / wanted context).",
+        ),
+        click.option(
+            "--rope-scaling",
+            type=click.Choice(["none", "linear", "yarn"]),
+            default=None,
+            help="RoPE scaling for a context beyond the model's trained one (default: the "
+            "model's own).",
+        ),
+        click.option(
+            "--flash-attn",
+            type=click.Choice(["auto", "on", "off"]),
+            default=None,
+            help="Flash attention (default auto: on for a quantized V cache).",
+        ),
+        click.option(
+            "--type-v",
+            type=click.Choice(_KV_TYPES),
+            default=None,
+            help="KV cache type for values (default f16; quantized needs flash attention).",
+        ),
+        click.option(
+            "--type-k",
+            type=click.Choice(_KV_TYPES),
+            default=None,
+            help="KV cache type for keys (default f16; see `chatctx plan`).",
+        ),
+        click.option(
+            "--chat-format",
+            type=click.Choice(["llama-3", "chatml"]),
+            default=None,
+            help="Built-in chat format for a GGUF without a chat template.",
+        ),
+        click.option(
+            "--n-gpu-layers",
+            type=int,
+            default=None,
+            help="Layers to offload to the GPU (default: all, when there is one).",
+        ),
+        click.option(
+            "--n-ctx",
+            type=int,
+            default=None,
+            help="Context size in tokens (default: CHATCTX_N_CTX or 4096).",
+        ),
+    ):
+        command = decorator(command)
+    return command  # type: ignore[no-any-return]
 
 
 def build_engine_options(
@@ -111,6 +161,9 @@ def build_engine_options(
     }
     if chat_format:
         options["chat_format"] = chat_format
+    context = click.get_current_context(silent=True)
+    if context is not None:
+        options.update(context.meta.get("chatctx.engine", {}))
     return options
 
 

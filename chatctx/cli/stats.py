@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import click
@@ -17,7 +18,7 @@ from chatctx.cli._common import (
 )
 from chatctx.errors import ConfigError
 from chatctx.monitor import prometheus_text, totals
-from chatctx.store import Store
+from chatctx.store import Store, Turn
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -59,9 +60,13 @@ def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus
                 "conversation": conversation_id,
                 "turns": [asdict(t) | {"turn": i} for i, t in enumerate(turns, start=1)],
                 "totals": summary.as_dict(),
+                "memory": _memory(turns),
             }
         )
         return
+    memory = _memory(turns)
+    show_rss = memory["peak_rss_bytes"] is not None
+    show_gpu = memory["last_gpu_used_bytes"] is not None
     table = Table(
         "turn",
         "prompt",
@@ -76,9 +81,16 @@ def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus
         "policy",
         title=f"KV cache, conversation {conversation_id}",
     )
+    if show_rss:
+        table.add_column("RSS MiB")
+    if show_gpu:
+        table.add_column("GPU used/free MiB")
     for i, t in enumerate(turns, start=1):
         cells = "/".join(str(v) for _, v in sorted((t.cells_used or {}).items()))
         evicted = bool(t.plan and t.plan.get("evicted"))
+        extra = [_mib(t.rss_bytes)] if show_rss else []
+        if show_gpu:
+            extra.append(f"{_mib(t.gpu_used_bytes)}/{_mib(t.gpu_free_bytes)}")
         table.add_row(
             str(i),
             str(t.prompt_tokens),
@@ -91,6 +103,7 @@ def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus
             _fmt(t.ttft_ms),
             _fmt(t.decode_tokens_per_s, ".1f"),
             (t.eviction_policy or "-") + (" *" if evicted else ""),
+            *extra,
         )
     console.print(table)
     console.print(
@@ -100,3 +113,27 @@ def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus
         f"{summary.shifted_tokens} tokens in {summary.shift_count} shifts · TTFT p50 "
         f"{_fmt(summary.ttft_p50_ms)} ms, p95 {_fmt(summary.ttft_p95_ms)} ms  (* = evicted)"
     )
+    if show_rss or show_gpu:
+        line = f"memory: peak RSS {_mib(memory['peak_rss_bytes'])} MiB"
+        if show_gpu:
+            line += (
+                f" · GPU used {_mib(memory['last_gpu_used_bytes'])} MiB, free "
+                f"{_mib(memory['last_gpu_free_bytes'])} MiB after the last turn"
+            )
+        console.print(line)
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / (1024 * 1024):.0f}"
+
+
+def _memory(turns: Sequence[Turn]) -> dict[str, int | None]:
+    """Peak RSS over the turns, and the last turn's figures (None where not measured)."""
+    rss = [t.rss_bytes for t in turns if t.rss_bytes is not None]
+    last = turns[-1] if turns else None
+    return {
+        "peak_rss_bytes": max(rss) if rss else None,
+        "last_rss_bytes": last.rss_bytes if last else None,
+        "last_gpu_used_bytes": last.gpu_used_bytes if last else None,
+        "last_gpu_free_bytes": last.gpu_free_bytes if last else None,
+    }

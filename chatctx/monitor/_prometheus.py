@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from chatctx.monitor._device import MemorySnapshot
 from chatctx.monitor._stats import totals
 from chatctx.store import Turn
 
@@ -30,16 +31,34 @@ _COUNTERS = (
 )
 
 
+_MEMORY_GAUGES = (
+    ("chatctx_rss_bytes", "rss_bytes", "Process resident set after the conversation's last turn."),
+    (
+        "chatctx_gpu_used_bytes",
+        "gpu_used_bytes",
+        "GPU memory used after the conversation's last turn.",
+    ),
+    (
+        "chatctx_gpu_free_bytes",
+        "gpu_free_bytes",
+        "GPU memory free after the conversation's last turn.",
+    ),
+)
+
+
 def prometheus_text(
     conversations: Mapping[str, Sequence[Turn]],
     *,
     live_cells: Mapping[int, int] | None = None,
     n_ctx: int | None = None,
+    live_memory: MemorySnapshot | None = None,
 ) -> str:
     """Exposition text for each conversation's turns, plus live KV usage when given.
 
     ``live_cells`` maps sequence ids to the cells they use now (``Engine.kv_usage()``), the
-    gauges llama.cpp's own server no longer exports.
+    gauges llama.cpp's own server no longer exports. Memory gauges (RSS, GPU used/free) come
+    from each conversation's last turn, and from ``live_memory`` (``memory_snapshot()``) when
+    given; GPU gauges are left out where they were not measured.
     """
     lines: list[str] = []
     stats = {cid: totals(turns) for cid, turns in conversations.items()}
@@ -83,6 +102,26 @@ def prometheus_text(
                 lines.append(
                     f"chatctx_kv_cells_used{_labels(conversation=cid, seq=str(seq))} {cells}"
                 )
+    for metric, attr, help_text in _MEMORY_GAUGES:
+        rows = [
+            (cid, getattr(turns[-1], attr))
+            for cid, turns in conversations.items()
+            if turns and getattr(turns[-1], attr) is not None
+        ]
+        if rows:
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+            lines += [f"{metric}{_labels(conversation=cid)} {value}" for cid, value in rows]
+    if live_memory is not None:
+        for metric, attr, help_text in _MEMORY_GAUGES:
+            value = getattr(live_memory, attr)
+            if value is not None:
+                live_metric = metric.replace("chatctx_", "chatctx_live_", 1)
+                what = help_text.split(" after ")[0]
+                lines += [
+                    f"# HELP {live_metric} {what}, now.",
+                    f"# TYPE {live_metric} gauge",
+                    f"{live_metric} {value}",
+                ]
     if live_cells is not None:
         lines += [
             "# HELP chatctx_kv_live_cells_used KV cells in use now, per sequence.",

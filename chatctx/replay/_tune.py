@@ -69,6 +69,91 @@ def sweep(
     return rows
 
 
+UBATCH_COLUMNS = (
+    "budget",
+    "n_ubatch",
+    "ttft_p50_ms",
+    "ttft_p95_ms",
+    "prefill_tokens_per_s",
+    "evaluated_tokens",
+    "compute_bytes_planned",
+    "turns",
+)
+
+
+def sweep_ubatch(
+    conversations: Sequence[LoggedConversation],
+    *,
+    budgets: Sequence[int],
+    ubatches: Sequence[int],
+    policy: str = "watermarks",
+    eviction: str = "shift",
+    summarizer: str = "extractive",
+    model: str | Path | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """TTFT and prefill speed by micro-batch size (teacher-forced), with the planner's
+    compute-buffer estimate for each: a bigger micro-batch prefills faster and costs memory.
+
+    Prefill tok/s is evaluated prompt tokens over the summed TTFTs (prefill plus the first
+    sampled token), per budget and ``n_ubatch``.
+    """
+    from chatctx.engine import resolve_model_path
+    from chatctx.engine._memory import ModelShape, plan_memory
+
+    path = resolve_model_path(model)
+    shape = ModelShape.from_gguf(path)
+    rows: list[dict[str, Any]] = []
+    for budget in budgets:
+        for n_ubatch in ubatches:
+            config = ReplayConfig(
+                mode="teacher",
+                budget=budget,
+                policy=policy,
+                eviction=eviction,
+                summarizer=summarizer,
+            )
+            n_ctx = budget + config.reserve_tokens
+            n_batch = max(512, n_ubatch)
+            planned = plan_memory(shape, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch)
+            with (
+                Engine.load(
+                    path, n_ctx=n_ctx, n_seq_max=2, n_ubatch=n_ubatch, n_batch=n_batch
+                ) as engine,
+                Replayer(config, engine=engine) as replayer,
+            ):
+                reports = replay_all(replayer, conversations)
+            turns = [t for r in reports for t in r.turns]
+            timed = [t for t in turns if t.ttft_ms is not None]
+            ttft_total = sum(t.ttft_ms or 0.0 for t in timed)
+            evaluated = sum(t.evaluated_tokens for t in timed)
+            totals = summarize(turns, reports)
+            row = {
+                "budget": budget,
+                "n_ubatch": n_ubatch,
+                "ttft_p50_ms": totals.get("ttft_p50_ms"),
+                "ttft_p95_ms": totals.get("ttft_p95_ms"),
+                "prefill_tokens_per_s": evaluated / ttft_total * 1000 if ttft_total else None,
+                "evaluated_tokens": evaluated,
+                "compute_bytes_planned": planned.compute_bytes,
+                "turns": len(turns),
+            }
+            rows.append(row)
+            if on_step is not None:
+                on_step(row)
+    return rows
+
+
+def write_ubatch_table(rows: Sequence[dict[str, Any]], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tune_ubatch.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(UBATCH_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def recommend(
     rows: Sequence[dict[str, Any]], *, min_retention: float = 0.9, max_ttft_ms: float | None = None
 ) -> tuple[dict[str, Any] | None, str]:
@@ -156,4 +241,14 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str = "chatctx tu
     return path
 
 
-__all__ = ["COLUMNS", "Engine", "plot", "recommend", "sweep", "write_table"]
+__all__ = [
+    "COLUMNS",
+    "UBATCH_COLUMNS",
+    "Engine",
+    "plot",
+    "recommend",
+    "sweep",
+    "sweep_ubatch",
+    "write_table",
+    "write_ubatch_table",
+]
