@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -22,15 +23,18 @@ from pydantic import ValidationError
 from chatctx._resource import Closeable
 from chatctx.config import ContextSettings, GenerationSettings
 from chatctx.context import (
+    BackgroundSummarizer,
     BuildResult,
     ContextBuilder,
     ContextPlan,
     ContextState,
+    LLMSummarizer,
     Summarizer,
     summarizer_for,
 )
 from chatctx.engine import Engine, GenerationResult, Timings, Usage
-from chatctx.errors import ConfigError
+from chatctx.errors import ClosedError, ConfigError
+from chatctx.monitor import memory_snapshot
 from chatctx.store import Message, Store, Turn
 
 __all__ = ["ChatSession", "Reply"]
@@ -84,6 +88,7 @@ class ChatSession(Closeable):
         self._builder_settings: ContextSettings | None = None
         self.last_reply: Reply | None = None
         self.last_build: BuildResult | None = None  # the context sent on the last turn
+        self._closed = False
 
     @classmethod
     def open(
@@ -161,10 +166,22 @@ class ChatSession(Closeable):
     # lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Release what the session opened; a reply still streaming ends first (``partial``)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._owns_engine:
             self.engine.close()
         if self._owns_store:
             self.store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("chat session")
 
     # state --------------------------------------------------------------------------------
 
@@ -197,23 +214,42 @@ class ChatSession(Closeable):
     def _builder_for(self, settings: ContextSettings, budget: int) -> ContextBuilder:
         if self._builder is None or self._builder_settings != settings:
             codec = self.engine.codec()
-            summarizer: Summarizer | None = self._custom_summarizer or summarizer_for(
-                settings.summarizer,
-                count=codec.count,
-                max_tokens=settings.summary_max_tokens,
-                budget=budget,
-                generate=self._summary_generate,
-                max_input_tokens=self._summary_input_tokens(),
-            )
+            summarizer: Summarizer | None = self._custom_summarizer
+            if summarizer is None:
+                background = settings.summarizer == "llm" and self._side_sequence()
+                summarizer = summarizer_for(
+                    settings.summarizer,
+                    count=codec.count,
+                    max_tokens=settings.summary_max_tokens,
+                    budget=budget,
+                    generate=functools.partial(self._summary_generate, background=background),
+                    max_input_tokens=self._summary_input_tokens(),
+                    timed=True,
+                )
+                if background and isinstance(summarizer, LLMSummarizer):
+                    # Off the critical path: the evicting turn goes out with the previous
+                    # summary (and recall); the new one takes effect once it is written.
+                    summarizer = BackgroundSummarizer(
+                        summarizer.fold, timeout_s=settings.summary_timeout_s
+                    )
+            store, cid = self.store, self.conversation_id
             self._builder = ContextBuilder(
                 codec,
                 settings,
                 summarizer=summarizer,
-                cache=self.store,
-                lookup=self.store.messages_by_ids,
+                cache=store,
+                lookup=store.messages_by_ids,
+                recall=lambda query, before, limit: store.search_messages(
+                    cid, query, before_position=before, limit=limit, replies=True
+                ),
             )
             self._builder_settings = settings
         return self._builder
+
+    def _side_sequence(self) -> bool:
+        """Whether summaries can run on a sequence of their own (the engine's spare)."""
+        spare = self.engine.spare_seq
+        return spare is not None and spare != self.seq_id
 
     def budget(self) -> tuple[int, int]:
         """(prompt token budget, tokens reserved for the reply).
@@ -283,31 +319,38 @@ class ChatSession(Closeable):
         # Evicted turns are folded in chunks of this many tokens.
         return max(128, min(1024, self.engine.n_ctx // 4))
 
-    def _summary_generate(self, messages: list[dict[str, Any]]) -> str:
-        """Run the summary prompt on a side sequence when the engine has one.
+    def _summary_generate(
+        self,
+        messages: list[dict[str, Any]],
+        timeout_s: float | None = None,
+        *,
+        background: bool = False,
+    ) -> str:
+        """Run the summary prompt on the engine's spare sequence when it has one.
 
-        With a single sequence it runs on the chat's own, which evicts the chat's cached
-        prefix: the next turn re-evaluates its whole prompt (see README, "Summaries").
+        ``timeout_s`` is what is left of the summary's one overall deadline. In the
+        background the prefill is chunked and steps aside for customers' turns. With a single
+        sequence it runs on the chat's own, which evicts the chat's cached prefix: the next
+        turn re-evaluates its whole prompt.
         """
-        n_seq = self.engine.config.n_seq_max
-        seq = n_seq - 1 if n_seq > 1 and n_seq - 1 != self.seq_id else self.seq_id
         settings = self.context_settings
-        deadline = time.monotonic() + settings.summary_timeout_s
-        generation = self.engine.generate(
-            self.engine.prompt_tokens(messages),
-            seq_id=seq,
-            settings=GenerationSettings(
-                max_tokens=settings.summary_max_tokens, temperature=0.0, repeat_penalty=1.1
-            ),
+        limit = settings.summary_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        sampling = GenerationSettings(
+            max_tokens=settings.summary_max_tokens, temperature=0.0, repeat_penalty=1.1
         )
+        prompt = self.engine.prompt_tokens(messages)
+        if self._side_sequence():
+            return self.engine.side_generate(
+                prompt, settings=sampling, background=background, deadline=deadline
+            )
+        generation = self.engine.generate(prompt, seq_id=self.seq_id, settings=sampling)
         try:
             for _ in generation:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"summary not done after {settings.summary_timeout_s} s")
+                    raise TimeoutError(f"summary not done after {limit:.1f} s")
         finally:
             generation.close()
-            if seq != self.seq_id:
-                self.engine.clear(seq)
         return generation.text
 
     # chatting -----------------------------------------------------------------------------
@@ -323,9 +366,11 @@ class ChatSession(Closeable):
         """Send a user message and yield the reply as it is generated.
 
         Raises ``ContextBudgetError`` before storing anything when the prompt cannot fit.
+        Time to first token is counted from this call.
         """
+        requested = time.perf_counter()
         built, generation, context = self._prepare(text)
-        return self._stream(text, built, generation, context.eviction)
+        return self._stream(text, built, generation, context.eviction, requested)
 
     def record_turn(self, text: str, reply: str | Sequence[Mapping[str, Any]]) -> Reply:
         """A teacher-forced turn: fit and prefill the context, then store ``reply`` as given.
@@ -335,8 +380,11 @@ class ChatSession(Closeable):
         ``reply`` is the assistant's text, or the logged messages answering ``text`` (OpenAI
         format: assistant tool calls, tool results, the final answer).
         """
+        requested = time.perf_counter()
         built, _, context = self._prepare(text)
+        built_at = time.perf_counter()
         user = self.store.add_message(self.conversation_id, "user", text)
+        stored_at = time.perf_counter()
         result = self.engine.prefill(
             built.tokens,
             seq_id=self.seq_id,
@@ -349,11 +397,12 @@ class ChatSession(Closeable):
             else [dict(m) for m in reply]
         )
         first_text = next((m["content"] for m in logged if m["role"] == "assistant"), "")
+        clock = (requested, built_at, stored_at)
         if logged and logged[0]["role"] == "assistant" and not logged[0].get("tool_calls"):
-            self._finish(user, replace(result, text=logged[0]["content"]), built.plan)
+            self._finish(user, replace(result, text=logged[0]["content"]), built.plan, clock)
             logged = logged[1:]
         else:  # the turn record points at no single assistant message
-            self._finish(user, replace(result, text=""), built.plan, store_reply=False)
+            self._finish(user, replace(result, text=""), built.plan, clock, store_reply=False)
         if logged:
             self.store.add_messages(self.conversation_id, logged)
         assert self.last_reply is not None
@@ -363,13 +412,14 @@ class ChatSession(Closeable):
 
     def _prepare(self, text: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
         """Build the context for ``text`` and persist what the builder decided."""
+        self._check_open()
         if not text.strip():
             raise ConfigError("empty message")
         # raises ContextBudgetError before anything is stored
         built, generation, context = self._build(text)
         self.last_build = built
         plan = built.plan
-        if plan.evicted or built.state.pending_ids:
+        if plan.evicted or plan.summary_changed or plan.summarized_ids or built.state.pending_ids:
             new_summary = None
             if plan.summary_changed and built.state.summary is not None:
                 new_summary = (
@@ -387,9 +437,16 @@ class ChatSession(Closeable):
         return built, generation, context
 
     def _stream(
-        self, text: str, built: BuildResult, settings: GenerationSettings, eviction: str
+        self,
+        text: str,
+        built: BuildResult,
+        settings: GenerationSettings,
+        eviction: str,
+        requested: float,
     ) -> Generator[str, None, None]:
+        built_at = time.perf_counter()
         user = self.store.add_message(self.conversation_id, "user", text)
+        stored_at = time.perf_counter()
         generation = self.engine.generate(
             built.tokens,
             seq_id=self.seq_id,
@@ -401,20 +458,33 @@ class ChatSession(Closeable):
             yield from generation
         finally:
             generation.close()
-            self._finish(user, generation.result, built.plan)
+            self._finish(user, generation.result, built.plan, (requested, built_at, stored_at))
 
     def _finish(
         self,
         user: Message,
         result: GenerationResult | None,
         plan: ContextPlan,
+        clock: tuple[float, float, float],
         *,
         store_reply: bool = True,
     ) -> None:
+        """Store the reply and the turn's figures. ``clock``: perf_counter() stamps of the
+        request, of the context being built and of the user message being stored."""
         if result is None:  # interrupted before the engine started
+            return
+        if self.store.closed:
+            logger.warning("reply of %s not stored: the store is closed", self.conversation_id)
             return
         complete = result.stop_reason in ("eog", "length")
         kv = result.kv
+        timings = _request_timings(result, plan, clock)
+        memory = memory_snapshot()
+        cells = (
+            None
+            if self.engine.closed
+            else {str(seq): n for seq, n in self.engine.kv_usage().items()}
+        )
         assistant = None
         if store_reply and (result.text or complete):
             assistant = self.store.add_message(
@@ -434,10 +504,13 @@ class ChatSession(Closeable):
             reused_tokens=result.usage.reused_tokens,
             evaluated_tokens=result.usage.evaluated_tokens,
             generated_tokens=result.usage.generated_tokens,
-            prefill_ms=result.timings.prefill_ms,
-            ttft_ms=result.timings.ttft_ms,
-            decode_tokens_per_s=result.timings.decode_tokens_per_s,
-            total_ms=result.timings.total_ms,
+            prefill_ms=timings.prefill_ms,
+            ttft_ms=timings.ttft_ms,
+            decode_tokens_per_s=timings.decode_tokens_per_s,
+            total_ms=timings.total_ms,
+            build_ms=timings.build_ms,
+            store_ms=timings.store_ms,
+            engine_ttft_ms=timings.engine_ttft_ms,
             stop_reason=result.stop_reason,
             plan=plan.to_dict(),
             new_tokens=plan.new_tokens,
@@ -446,16 +519,21 @@ class ChatSession(Closeable):
             shift_count=kv.shift_count if kv else None,
             eviction_policy=kv.policy if kv else None,
             kv_fallback=kv.fallback if kv else None,
-            cells_used={str(seq): n for seq, n in self.engine.kv_usage().items()},
+            cells_used=cells,
             summary_tokens=plan.sections.get("summary"),
-            summary_ms=plan.summary_ms if plan.evicted else None,
+            summary_ms=plan.summary_ms if plan.evicted or plan.summary_changed else None,
+            recall_tokens=plan.sections.get("recall"),
+            recall_ms=plan.recall_ms,
+            rss_bytes=memory.rss_bytes,
+            gpu_used_bytes=memory.gpu_used_bytes,
+            gpu_free_bytes=memory.gpu_free_bytes,
         )
         self.last_reply = Reply(
             text=result.text,
             user_message_id=user.id,
             message_id=assistant.id if assistant else None,
             usage=result.usage,
-            timings=result.timings,
+            timings=timings,
             stop_reason=result.stop_reason,
             turn=turn,
             plan=plan,
@@ -475,6 +553,24 @@ class ChatSession(Closeable):
         )
         if self.on_turn is not None:
             self.on_turn(turn)
+
+
+def _request_timings(
+    result: GenerationResult, plan: ContextPlan, clock: tuple[float, float, float]
+) -> Timings:
+    """The engine's timings re-based on the request: TTFT and total count from it."""
+    requested, built_at, stored_at = clock
+    t = result.timings
+    before_engine = (result.started_at - requested) * 1000 if result.started_at else 0.0
+    return replace(
+        t,
+        ttft_ms=before_engine + t.ttft_ms if t.ttft_ms is not None else None,
+        total_ms=before_engine + t.total_ms,
+        build_ms=(built_at - requested) * 1000,
+        store_ms=(stored_at - built_at) * 1000,
+        summary_ms=plan.summary_ms if plan.evicted or plan.summary_changed else 0.0,
+        engine_ttft_ms=t.ttft_ms,
+    )
 
 
 def _context_settings(value: ContextSettings | Mapping[str, Any]) -> ContextSettings:

@@ -37,7 +37,7 @@ def main() -> None:
         worst = max(report.turns, key=lambda t: t.evaluated_tokens)
         print(
             f"  costliest turn {worst.turn}: evaluated {worst.evaluated_tokens} of "
-            f"{worst.prompt_tokens} prompt tokens ({'evicted' if worst.evicted else 'no'} "
+            f"{worst.prompt_tokens} prompt tokens ({'an' if worst.evicted else 'no'} "
             f"eviction, {worst.shifted_tokens} tokens shifted instead of re-evaluated)"
         )
     overall = summarize([t for r in reports for t in r.turns], reports)

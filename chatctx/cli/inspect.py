@@ -71,6 +71,23 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
             f"  kept {len(plan.get('kept_ids', []))} messages · prompt hash "
             f"{plan.get('prompt_hash')}"
         )
+        recalled = plan.get("recalled_ids") or []
+        if recalled:
+            scores = plan.get("recall_scores") or []
+            pairs = ", ".join(f"{i} ({s:.2f})" for i, s in zip(recalled, scores, strict=False))
+            console.print(
+                f"  recalled {len(recalled)} messages (id (score), best first): {pairs} · "
+                f"{plan.get('recall_ms', 0):.1f} ms"
+            )
+        if plan.get("recall_error"):
+            console.print(f"  [red]recall failed: {plan['recall_error']}[/red]")
+        if plan.get("yielded"):
+            console.print(
+                "  [yellow]gave way to the new message: "
+                + ", ".join(plan["yielded"])
+                + (" (summary left out of this prompt)" if plan.get("summary_omitted") else "")
+                + "[/yellow]"
+            )
     else:
         console.print("no turns yet")
     if state.summary:
@@ -98,6 +115,11 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
     )
     for n, p in evictions:
         error = p.get("summary_error")
+        notes = (p.get("reason") or "") + (f" [red]summary failed: {error}[/red]" if error else "")
+        if p.get("summary_stopped"):
+            notes += f" [yellow]summary partial: {p['summary_stopped']}[/yellow]"
+        if p.get("dropped_reason"):
+            notes += f" [yellow]dropped: {p['dropped_reason']}[/yellow]"
         table.add_row(
             str(n),
             str(p.get("prompt_tokens")),
@@ -105,7 +127,7 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
             str(_count(p["summarized_ids"])),
             str(_count(p["dropped_ids"])),
             f"{p.get('summary_ms', 0):.0f}",
-            (p.get("reason") or "") + (f" [red]summary failed: {error}[/red]" if error else ""),
+            notes,
         )
     console.print()
     console.print(table)

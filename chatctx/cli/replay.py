@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -160,10 +161,12 @@ def _print_report(reports: list[ConversationReport], errors: list[str]) -> None:
         "TTFT ms",
         title="per-turn",
     )
+    # Ids and error texts come from the logs: escaped, so "[/x]" prints instead of
+    # breaking rich's markup.
     for report in reports:
         for t in report.turns:
             table.add_row(
-                report.conversation,
+                escape(report.conversation),
                 str(t.turn),
                 str(t.prompt_tokens),
                 str(t.kept),
@@ -193,7 +196,7 @@ def _print_report(reports: list[ConversationReport], errors: list[str]) -> None:
     )
     for s in rows:
         summary.add_row(
-            s["conversation"],
+            escape(s["conversation"]),
             str(s["turns"]),
             _fmt(s["prefill_amplification"]),
             _fmt(s["cache_hit_ratio"]),
@@ -204,7 +207,7 @@ def _print_report(reports: list[ConversationReport], errors: list[str]) -> None:
         )
     console.print(summary)
     for error in errors:
-        err_console.print(f"[yellow]skipped: {error}[/yellow]")
+        err_console.print(f"[yellow]skipped: {escape(error)}[/yellow]")
 
 
 def _write(
@@ -240,6 +243,19 @@ def _write(
     help="How history is fitted.",
 )
 @context_options
+@click.option(
+    "--recall/--no-recall",
+    default=True,
+    show_default=True,
+    help="Recall evicted messages that match the new one (full-text search).",
+)
+@click.option(
+    "--recall-budget",
+    type=int,
+    default=96,
+    show_default=True,
+    help="Most tokens of recalled messages per turn.",
+)
 @click.option("--regenerate", is_flag=True, help="Let the model write each assistant turn.")
 @click.option("--dry-run", is_flag=True, help="Load no weights: tokenizer-only plans.")
 @click.option(
@@ -270,6 +286,8 @@ def replay(
     limit: int | None,
     on_error: str,
     from_db: bool,
+    recall: bool,
+    recall_budget: int,
     regenerate: bool,
     dry_run: bool,
     max_tokens: int,
@@ -298,6 +316,8 @@ def replay(
         max_turns=max_turns,
         system=system,
         max_tokens=max_tokens,
+        recall=recall,
+        recall_budget=recall_budget,
     )
     input_errors: list[ImportFormatError] = []
     source = (
@@ -379,6 +399,14 @@ def replay(
     show_default=True,
     help="On a bad input line: stop, or skip it.",
 )
+@click.option(
+    "--n-ubatch",
+    "n_ubatch",
+    default=None,
+    metavar="B,B,...",
+    help="With --with-model: also time prefill by micro-batch size (e.g. 128,256,512), with "
+    "the planner's compute-buffer estimate beside each.",
+)
 @handle_errors
 def tune(
     files: tuple[str, ...],
@@ -393,8 +421,19 @@ def tune(
     max_ttft_ms: float | None,
     out: Path,
     on_error: str,
+    n_ubatch: str | None,
 ) -> None:
     """Sweep budgets x policies x eviction over logged conversations and recommend one."""
+    ubatches: list[int] = []
+    if n_ubatch:
+        try:
+            ubatches = [int(b) for b in n_ubatch.split(",") if b.strip()]
+        except ValueError as exc:
+            raise ConfigError(f"--n-ubatch must be integers: {n_ubatch!r}") from exc
+        if not with_model:
+            raise ConfigError("--n-ubatch times prefill: it needs --with-model")
+        if any(b < 1 for b in ubatches):
+            raise ConfigError(f"--n-ubatch sizes must be positive: {n_ubatch!r}")
     try:
         budget_list = [int(b) for b in budgets.split(",") if b.strip()]
     except ValueError as exc:
@@ -457,6 +496,40 @@ def tune(
             f"--eviction {best['eviction']}"
         )
     console.print(f"wrote {csv_file}, {json_file}, {png}")
+    if ubatches:
+        from chatctx.replay._tune import sweep_ubatch, write_ubatch_table
+
+        with _progress(f"{len(budget_list) * len(ubatches)} micro-batch sizes") as advance:
+            ub_rows = sweep_ubatch(
+                conversations,
+                budgets=budget_list,
+                ubatches=ubatches,
+                policy=policy_list[0],
+                eviction=eviction_list[0],
+                summarizer=summarizer,
+                model=model,
+                on_step=lambda row: advance(1),
+            )
+        ub_table = Table(
+            "budget",
+            "n_ubatch",
+            "TTFT p50 ms",
+            "TTFT p95 ms",
+            "prefill tok/s",
+            "compute buffer (planned)",
+            title=f"micro-batch ({policy_list[0]} + {eviction_list[0]})",
+        )
+        for r in ub_rows:
+            ub_table.add_row(
+                str(r["budget"]),
+                str(r["n_ubatch"]),
+                _fmt(r["ttft_p50_ms"], ".0f"),
+                _fmt(r["ttft_p95_ms"], ".0f"),
+                _fmt(r["prefill_tokens_per_s"], ".0f"),
+                f"{r['compute_bytes_planned'] / 2**20:.1f} MiB",
+            )
+        console.print(ub_table)
+        console.print(f"wrote {write_ubatch_table(ub_rows, out)}")
 
 
 __all__ = ["Probe", "replay", "tune"]

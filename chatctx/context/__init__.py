@@ -1,5 +1,6 @@
 """Context building: exact budgets, whole-turn eviction, running summaries, plans."""
 
+from chatctx.context._background import BackgroundSummarizer
 from chatctx.context._builder import (
     SUMMARY_HEADER,
     BuildResult,
@@ -9,6 +10,7 @@ from chatctx.context._builder import (
     ContextState,
     TokenCache,
 )
+from chatctx.context._recall import RECALL_HEADER, RecallSearch
 from chatctx.context._turns import group_turns, id_ranges
 from chatctx.context.summarizers import (
     ExtractiveSummarizer,
@@ -20,7 +22,9 @@ from chatctx.context.summarizers import (
 )
 
 __all__ = [
+    "RECALL_HEADER",
     "SUMMARY_HEADER",
+    "BackgroundSummarizer",
     "BuildResult",
     "Codec",
     "ContextBuilder",
@@ -28,6 +32,7 @@ __all__ = [
     "ContextState",
     "ExtractiveSummarizer",
     "LLMSummarizer",
+    "RecallSearch",
     "Summarizer",
     "SummaryError",
     "TokenCache",

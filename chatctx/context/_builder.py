@@ -11,10 +11,19 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from chatctx.config import ContextSettings
+from chatctx.context._recall import (
+    RECALL_HEADER,
+    RecallSearch,
+    asks_back,
+    fit_recall,
+    group_hits,
+    render_section,
+    repeats,
+)
 from chatctx.context._turns import group_turns, id_ranges
 from chatctx.context.summarizers import Summarizer
 from chatctx.errors import ContextBudgetError
@@ -79,6 +88,14 @@ class ContextPlan:
     summary_changed: bool = False
     summary_error: str | None = None
     summary_ms: float = 0.0
+    summary_stopped: str | None = None  # why a summary covered only part of its messages
+    summary_omitted: bool = False  # the summary was left out of this prompt to make room
+    dropped_reason: str | None = None  # why ``dropped_ids`` are in no summary
+    yielded: list[str] = field(default_factory=list)  # sections that gave up room, in order
+    recalled_ids: list[int] = field(default_factory=list)  # best first
+    recall_scores: list[float] = field(default_factory=list)  # for recalled_ids
+    recall_ms: float = 0.0
+    recall_error: str | None = None
     truncated: bool = False
     window_start: int = 0
     prompt_hash: str = ""
@@ -88,6 +105,16 @@ class ContextPlan:
     def history_start(self) -> int:
         """Where the kept turns begin in the prompt: after system, pinned and summary."""
         return self.sections["system"] + self.sections["summary"]
+
+    def drop(self, ids: Sequence[int], reason: str) -> None:
+        """List messages that no summary will cover, and why."""
+        if not ids:
+            return
+        self.dropped_ids += list(ids)
+        if self.dropped_reason is None:
+            self.dropped_reason = reason
+        elif reason not in self.dropped_reason:
+            self.dropped_reason += f"; {reason}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; id lists of evicted messages are compacted into ranges."""
@@ -117,12 +144,16 @@ class ContextBuilder:
         summarizer: Summarizer | None = None,
         cache: TokenCache | None = None,
         lookup: Callable[[Sequence[int]], list[Message]] | None = None,
+        recall: RecallSearch | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``lookup`` re-reads messages by id: those evicted earlier while summarizing failed
-        are retried at the next eviction (the store's ``messages_by_ids``)."""
+        are retried at the next eviction (the store's ``messages_by_ids``). ``recall`` searches
+        the conversation's evicted messages (the store's ``search_messages``); without it
+        nothing is recalled. ``clock`` times summaries against ``summary_timeout_s``."""
         self.codec = codec
         self.lookup = lookup
+        self.recall = recall
         self.settings = settings or ContextSettings()
         self.summarizer = summarizer
         self.cache = cache
@@ -130,6 +161,7 @@ class ContextBuilder:
         self._clock = clock
         self._anchor_tokens: int | None = None
         self._gen_prompt_tokens: int | None = None
+        self._system_overhead: int | None = None
 
     # counting -----------------------------------------------------------------------------
 
@@ -202,12 +234,17 @@ class ContextBuilder:
         new = {"role": "user", "content": new_message}
 
         def assemble(
-            summary: str | None, kept: Sequence[Sequence[Message]], last: Mapping[str, Any]
+            summary: str | None,
+            kept: Sequence[Sequence[Message]],
+            last: Mapping[str, Any],
+            recall: str | None = None,
         ) -> list[dict[str, Any]]:
             out = list(head)
             if summary:
                 out.append({"role": "system", "content": SUMMARY_HEADER + summary})
             out += [m.to_openai() for turn in kept for m in turn]
+            if recall:
+                out.append({"role": "system", "content": recall})
             out.append(dict(last))
             return out
 
@@ -226,6 +263,15 @@ class ContextBuilder:
             window_start=state.window_start,
         )
         pending = list(state.pending_ids)
+        ready = getattr(self.summarizer, "ready", None)
+        if pending and callable(ready) and ready():
+            # A summary written in the background is done: it takes effect on this turn.
+            summary, summary_tokens, pending = self._summarize(plan, state, [], pending)
+            state = replace(
+                state, summary=summary, summary_tokens=summary_tokens, pending_ids=tuple(pending)
+            )
+            total = self.count_messages(assemble(summary, turns, new))
+            plan.prompt_tokens = total
         evicted: list[Message] = []
         if total > high_limit:
             plan.evicted = True
@@ -250,15 +296,21 @@ class ContextBuilder:
             while total > budget and turns:  # the summary grew more than expected
                 late = turns.pop(0)
                 plan.evicted_ids += [m.id for m in late]
-                pending += [m.id for m in late] if self.summarizer is not None else []
-                if self.summarizer is None:
-                    plan.dropped_ids += [m.id for m in late]
+                if self._summarizing():
+                    pending += [m.id for m in late]
+                else:
+                    plan.drop([m.id for m in late], "no summarizer")
                 total = self.count_messages(assemble(summary, turns, new))
+        sent_summary = summary
+        if total > budget and summary:
+            # The summary is optional, the newest message is not: leave the summary out of
+            # this prompt (it stays in the state and comes back when there is room).
+            sent_summary = None
+            plan.summary_omitted = True
+            plan.yielded.append("summary")
+            total = self.count_messages(assemble(None, turns, new))
         if total > budget:
-            new, total = self._oversized(assemble, summary, new, total, budget, plan)
-        messages = assemble(summary, turns, new)
-        tokens = self.codec.encode_prompt(self.codec.render(messages))
-        assert len(tokens) == total
+            new, total = self._oversized(assemble, sent_summary, new, total, budget, plan)
         window_start = state.window_start
         if plan.evicted:
             window_start = (
@@ -266,20 +318,45 @@ class ContextBuilder:
                 if turns
                 else (history[-1].position + 1 if history else state.window_start)
             )
+        # Recall ranks below the summary: it only gets room the summary left (none when the
+        # summary itself had to give way).
+        room = 0 if plan.summary_omitted else min(s.recall_budget, budget - total)
+        recalled = self._recall(plan, new_message, window_start, pinned_ids, room=room)
+        while True:
+            recall_text = render_section([(m, t) for m, t, _ in recalled]) if recalled else None
+            messages = assemble(sent_summary, turns, new, recall_text)
+            tokens = self.codec.encode_prompt(self.codec.render(messages))
+            # Per-message counts can differ from the whole prompt's by a merge at a boundary.
+            if len(tokens) <= max(budget, total) or not recalled:
+                break
+            recalled.pop()
+        assert len(tokens) == total or recall_text is not None
+        total = len(tokens)
+        plan.recalled_ids = [m.id for m, _, _ in recalled]
+        plan.recall_scores = [round(score, 4) for _, _, score in recalled]
         plan.window_start = window_start
         plan.prompt_tokens = total
         plan.kept_ids = [m.id for turn in turns for m in turn]
-        plan.sections = self._sections(head, summary, turns, total, reserve, assemble, new)
+        plan.sections = self._sections(
+            head, sent_summary, turns, recall_text, messages, total, reserve
+        )
         plan.new_tokens = self._new_tokens(history, plan)
         plan.prompt_hash = hashlib.sha256(
             b"".join(t.to_bytes(4, "little") for t in tokens)
         ).hexdigest()[:16]
         plan.build_ms = (self._clock() - start) * 1000
+        if len(pending) > MAX_PENDING:
+            plan.drop(
+                pending[:-MAX_PENDING],
+                f"more than {MAX_PENDING} messages waited for a summary: the oldest are "
+                "left out of it (they stay in the store and can be recalled)",
+            )
+            pending = pending[-MAX_PENDING:]
         new_state = ContextState(
             window_start=window_start,
             summary=summary,
             summary_tokens=summary_tokens,
-            pending_ids=tuple(pending[-MAX_PENDING:]),
+            pending_ids=tuple(pending),
         )
         return BuildResult(
             plan=plan,
@@ -289,40 +366,124 @@ class ContextBuilder:
             fingerprint=self.codec.fingerprint,
         )
 
+    def _section_tokens(self, chosen: Sequence[tuple[Message, str, float]]) -> int:
+        text = render_section([(m, t) for m, t, _ in chosen])
+        return self._delta({"role": "system", "content": text})
+
+    def _section_cost(self) -> Callable[[str], int]:
+        """Tokens a system message with this text adds: exact, or estimated when the codec
+        can count plain text (a template render per candidate costs more than the search)."""
+        exact: Callable[[str], int] = lambda text: self._delta(  # noqa: E731
+            {"role": "system", "content": text}
+        )
+        count = getattr(self.codec, "count", None)
+        if not callable(count):
+            return exact
+        if self._system_overhead is None:
+            self._system_overhead = exact(RECALL_HEADER) - int(count(RECALL_HEADER))
+        overhead = self._system_overhead
+        return lambda text: overhead + int(count(text))
+
+    def _summarizing(self) -> bool:
+        return self.summarizer is not None and self.settings.summarizer != "none"
+
+    def _recall(
+        self, plan: ContextPlan, query: str, window_start: int, pinned_ids: set[int], *, room: int
+    ) -> list[tuple[Message, str, float]]:
+        """What to recall for this prompt: (message, text sent, score), best first."""
+        s = self.settings
+        if self.recall is None or not s.recall or s.recall_budget <= 0 or window_start <= 0:
+            return []
+        if s.recall_trigger == "question" and not asks_back(query):
+            return []
+        t0 = self._clock()
+        try:
+            found = self.recall(query, window_start, s.recall_k + len(pinned_ids))
+        except Exception as exc:  # recall is optional: a failing search never fails a turn
+            plan.recall_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("recall search failed, nothing recalled: %s", plan.recall_error)
+            plan.recall_ms = (self._clock() - t0) * 1000
+            return []
+        hits = [
+            h
+            for h in group_hits(found)
+            if h.message.id not in pinned_ids and not repeats(h.message, query)
+        ][: s.recall_k]
+        chosen = fit_recall(hits, query, room, self._section_cost())
+        # The choice used an estimate; the section's exact cost decides.
+        while chosen and self._section_tokens(chosen) > room:
+            chosen.pop()
+        sent = {m.id for m, _, _ in chosen}
+        if hits and room < s.recall_budget and any(h.message.id not in sent for h in hits):
+            plan.yielded.insert(0, "recall")  # recall gives way first
+        plan.recall_ms = (self._clock() - t0) * 1000
+        return chosen
+
     def _summarize(
         self, plan: ContextPlan, state: ContextState, evicted: list[Message], pending: list[int]
     ) -> tuple[str | None, int, list[int]]:
-        if self.summarizer is None or self.settings.summarizer == "none":
-            plan.dropped_ids += [m.id for m in evicted]
+        """Fold what waits into the summary: (summary, its tokens, ids still waiting).
+
+        One deadline (``summary_timeout_s``) covers the whole fold. A summarizer with a
+        ``fold`` method (the LLM one) stops at the deadline and keeps what it finished: the
+        messages it did not reach stay pending and are retried, from there, at the next
+        eviction. A plain callable's result is kept however long it took.
+        """
+        if not self._summarizing():
+            plan.drop([m.id for m in evicted], "no summarizer")
             return state.summary, state.summary_tokens, []
+        assert self.summarizer is not None
         if not evicted and not pending:
             return state.summary, state.summary_tokens, pending
         # Messages evicted earlier while summarizing failed are retried with the new ones.
-        earlier = self.lookup(pending) if self.lookup is not None and pending else []
+        earlier: list[Message] = []
+        if pending:
+            if self.lookup is not None:
+                earlier = self.lookup(pending)
+            else:
+                plan.drop(pending, "no lookup to re-read messages waiting for a summary")
         todo = earlier + evicted
+        timeout = self.settings.summary_timeout_s
         t0 = self._clock()
+        stopped: str | None = None
         try:
-            text = self.summarizer(state.summary, todo).strip()
-            elapsed = self._clock() - t0
-            if elapsed > self.settings.summary_timeout_s:
-                raise TimeoutError(
-                    f"summarizer took {elapsed:.1f} s "
-                    f"(limit {self.settings.summary_timeout_s:.0f} s)"
+            fold = getattr(self.summarizer, "fold", None)
+            if callable(fold):
+                text, covered_ids, stopped = fold(
+                    state.summary, todo, deadline=t0 + timeout, clock=self._clock
                 )
-            if not text:
-                raise ValueError("the summarizer returned nothing")
+                covered = set(covered_ids)
+            else:
+                text = self.summarizer(state.summary, todo)
+                covered = {m.id for m in todo}
+            text = (text or "").strip()
         except Exception as exc:
             plan.summary_ms = (self._clock() - t0) * 1000
             plan.summary_error = f"{type(exc).__name__}: {exc}"
             logger.warning("summary not updated, the previous one stays: %s", plan.summary_error)
-            return state.summary, state.summary_tokens, pending + [m.id for m in evicted]
-        plan.summary_ms = (self._clock() - t0) * 1000
-        plan.summary_changed = text != state.summary
-        plan.summarized_ids = [m.id for m in todo]
+            return state.summary, state.summary_tokens, [m.id for m in todo]
+        elapsed = self._clock() - t0
+        plan.summary_ms = elapsed * 1000
+        if elapsed > timeout and stopped is None:
+            logger.warning("summarizer took %.1f s (limit %.0f s); kept", elapsed, timeout)
+        left = [m.id for m in todo if m.id not in covered]
+        if stopped is not None:
+            plan.summary_stopped = stopped
+            logger.info(
+                "summary covers %d of %d messages (%s); the rest waits",
+                len(todo) - len(left),
+                len(todo),
+                stopped,
+            )
+        plan.summarized_ids += [m.id for m in todo if m.id in covered]
+        # "Nothing new to add" is a result: the previous summary (or none) stays.
+        if not text or text == state.summary:
+            return state.summary, state.summary_tokens, left
+        plan.summary_changed = True
         tokens = self.count_messages(
             [{"role": "system", "content": SUMMARY_HEADER + text}], add_generation_prompt=False
         )
-        return text, tokens, []
+        return text, tokens, left
 
     def _oversized(
         self,
@@ -377,7 +538,9 @@ class ContextBuilder:
         if last_user is None and not history:
             return plan.prompt_tokens
         since = history[last_user + 1 :] if last_user is not None else history
-        new = plan.sections["new_message"] + sum(self.message_tokens(since))
+        # Recalled text is new too: it was never at this place in a prompt.
+        new = plan.sections["new_message"] + plan.sections["recall"]
+        new += sum(self.message_tokens(since))
         if since and since[0].role == "assistant" and last_user is not None:
             # The previous prompt already ended with the assistant header (the generation
             # prompt): those tokens were sent before.
@@ -396,30 +559,41 @@ class ContextBuilder:
         head: list[dict[str, Any]],
         summary: str | None,
         turns: Sequence[Sequence[Message]],
+        recall: str | None,
+        full: list[dict[str, Any]],
         total: int,
         reserve: int,
-        assemble: Callable[..., list[dict[str, Any]]],
-        new: dict[str, Any],
     ) -> dict[str, int]:
         # Prefix renders give exact section sizes that add up to the prompt's length.
-        full = assemble(summary, turns, new)
         n_head = len(head)
         n_summary = n_head + (1 if summary else 0)
-        n_history = len(full) - 1
+        n_history = n_summary + sum(len(turn) for turn in turns)
+        n_recall = n_history + (1 if recall else 0)
 
         def upto(n: int) -> int:
-            return self.count_messages(full[:n], add_generation_prompt=False) if n else 0
+            # n == 0 still counts: a template may open every prompt with BOS.
+            return self.count_messages(full[:n], add_generation_prompt=False)
 
         system = upto(n_head)
         with_summary = upto(n_summary)
         with_history = upto(n_history)
+        with_recall = upto(n_recall) if recall else with_history
         return {
             "system": system,
             "summary": with_summary - system,
             "history": with_history - with_summary,
-            "new_message": total - with_history,
+            "recall": with_recall - with_history,
+            "new_message": total - with_recall,
             "reserve": reserve,
         }
 
 
-__all__ = ["BuildResult", "Codec", "ContextBuilder", "ContextPlan", "ContextState", "TokenCache"]
+__all__ = [
+    "BuildResult",
+    "Codec",
+    "ContextBuilder",
+    "ContextPlan",
+    "ContextState",
+    "RecallSearch",
+    "TokenCache",
+]

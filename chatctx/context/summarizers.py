@@ -7,9 +7,19 @@ each message once: the builder passes only messages the summary does not cover y
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from chatctx.context._facts import (
+    FACTS_PREFIX,
+    fact_set,
+    identifiers,
+    line_key,
+    sentences,
+    statement_score,
+    statements,
+)
 from chatctx.errors import ChatctxError
 from chatctx.store import Message
 
@@ -24,49 +34,98 @@ class Summarizer(Protocol):
     def __call__(self, previous: str | None, messages: Sequence[Message]) -> str: ...
 
 
-# Identifiers a support conversation must not lose: order/ticket numbers, models, amounts.
-_IDENTIFIER = re.compile(
-    r"\b(?:[A-Z]{1,6}-?\d[\w-]*|\d+[A-Z][\w-]*|#\d[\w-]*|\d{4,})\b"
-    r"|[$€£]\s?\d[\d,.]*|\b[\w.+-]+@[\w-]+\.[\w.]+\b"
-)
-# People introducing themselves: "my name is Maria Lopez", "I'm Jonas".
-_INTRODUCED = re.compile(
-    r"\b(?:[Mm]y name is|[Nn]ame's|I am|I'm|[Tt]his is|[Cc]all me)\s+"
-    r"([A-Z][a-z]+(?:\s[A-Z][a-z]+)?)\b"
-)
-_NUMBER = re.compile(r"\b\d+(?:[.,]\d+)*\b")
-_NAME = re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]{2,}(?:\s[A-Z][a-z]{2,})*\b")
-_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
-_FACTS = "Facts: "
-_FILLER = re.compile(
-    r"^(hi|hello|hey|thanks|thank you|ok|okay|great|sure|bye)\b[\s!.,]*$", re.IGNORECASE
-)
+_MAX_SENTENCE_WORDS = 24  # a sentence kept for its identifiers, cut beyond this
+# A bare year goes on the Facts line but is no reason to keep its whole sentence.
+_YEAR = re.compile(r"(?:19|20)\d\d")
+# An item worth rewriting (re-evaluating) the summary for: an identifier or a strong statement.
+_SALIENT = 3.0
+_ITEM_SEP = "; "
+_END_PUNCTUATION = re.compile(r"[^\w]+$")
+
+# (score, order, label, text): one kept statement; consecutive items of one speaker share a
+# line, "User: a; b; c", which costs about two tokens less per item than a line each.
+_Item = tuple[float, int, str, str]
 
 
-def _facts_in(text: str) -> list[str]:
-    return _IDENTIFIER.findall(text) + _INTRODUCED.findall(text)
-
-
-def _score(sentence: str, role: str) -> float:
-    score = 3.0 * len(_facts_in(sentence)) + 1.0 * len(_NUMBER.findall(sentence))
-    score += 1.5 * len(_NAME.findall(sentence))
-    score += 1.0 if role == "user" else 0.0
-    score += 0.5 if "?" not in sentence else 0.0
-    if _FILLER.match(sentence.strip()):
-        score -= 5.0
+def _item_score(text: str, label: str) -> float:
+    """What a kept item is worth: identifiers first, then what the user says about
+    themselves; 0 for anything else (greetings, chit-chat, generic advice)."""
+    score = 3.0 * len(identifiers(text))
+    if label == "User":
+        personal = statement_score(text)
+        if score or personal:
+            score += 1.0 + personal
     return score
 
 
+def _message_items(role: str, content: str) -> list[tuple[float, str, str]]:
+    """(score, label, text) for each part of a message worth keeping: sentences holding
+    identifiers, and (from the user) first-person statements."""
+    label = role.capitalize()
+    texts = [
+        " ".join(sentence.split()[:_MAX_SENTENCE_WORDS])
+        for sentence in sentences(content)
+        if any(not _YEAR.fullmatch(found) for found in identifiers(sentence))
+    ]
+    if role == "user":
+        texts += [
+            found.text
+            for found in statements(content)
+            if not any(found.text in text for text in texts)
+        ]
+    out = []
+    for text in texts:
+        text = text.replace(_ITEM_SEP, ", ")  # one item stays one item when parsed back
+        # Punctuation at the end of a line merges with the next newline into one token:
+        # without it, what is appended later leaves every token of the summary as it was.
+        text = _END_PUNCTUATION.sub("", text)
+        score = _item_score(text, label)
+        if text and score > 0:
+            out.append((score, label, text))
+    return out
+
+
+def _render(facts: Sequence[str], items: Sequence[_Item]) -> str:
+    """``Facts:`` line first, then the items in their order, one line per run of a speaker."""
+    lines = [FACTS_PREFIX + _ITEM_SEP.join(facts)] if facts else []
+    label = None
+    for _, _, item_label, text in sorted(items, key=lambda item: item[1]):
+        if item_label == label:
+            lines[-1] += _ITEM_SEP + text
+        else:
+            lines.append(f"{item_label}: {text}")
+            label = item_label
+    return "\n".join(lines)
+
+
+def _parse(summary: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The facts and the (label, text) items of a summary this class wrote."""
+    facts: dict[str, None] = {}
+    items: list[tuple[str, str]] = []
+    for line in summary.splitlines():
+        if line.startswith(FACTS_PREFIX):
+            facts.update(dict.fromkeys(f for f in line[len(FACTS_PREFIX) :].split(_ITEM_SEP) if f))
+        elif line.strip():
+            label, _, rest = line.partition(": ")
+            items += [(label, text) for text in rest.split(_ITEM_SEP) if text]
+    return list(facts), items
+
+
 class ExtractiveSummarizer:
-    """Keeps the salient sentences and every identifier, with no model; deterministic.
+    """Keeps identifiers and what the user says about themselves, with no model; deterministic.
 
     Each call appends a block to the previous summary: a ``Facts:`` line with the identifiers
-    not yet in it (order and ticket numbers, models, amounts, e-mail addresses) and the
-    highest-scoring new sentences as ``Role: sentence`` lines. Appending keeps the previous
-    summary a prefix of the new one, so its tokens stay cached in llama.cpp. When the next
-    block does not fit ``max_tokens``, the summary is compacted to ``compact_to`` of it: the
-    oldest lines go (their facts are kept on one ``Facts:`` line first), then the
-    lowest-scoring ones, then the oldest facts.
+    not yet in it (order and ticket numbers, models, amounts, e-mail addresses; compared as a
+    parsed set, see ``fact_set``), then the best new items as ``Role: item; item`` lines:
+    sentences holding identifiers, and the user's first-person statements about durable things
+    (allergies, names of people and pets, family, home, work, belongings and where they are,
+    plans and dates, preferences, open requests), cut to the clause that says it. Chit-chat adds
+    nothing, and "nothing new" is a normal result: the previous summary comes back unchanged
+    ("" when there is none). Appending keeps the previous summary a prefix of the new one, so
+    its tokens stay cached in llama.cpp. When an item worth it does not fit ``max_tokens``,
+    the summary is compacted to ``compact_to`` of it: the lowest-scoring items go first
+    (oldest first among equals; identifiers stay on one ``Facts:`` line), then the oldest
+    facts.
     """
 
     def __init__(
@@ -78,111 +137,102 @@ class ExtractiveSummarizer:
 
     def __call__(self, previous: str | None, messages: Sequence[Message]) -> str:
         previous = (previous or "").strip()
+        known = fact_set(previous)
+        covered = set(known)  # identifiers in the summary or in a line already taken
+        seen = {line_key(text) for _, text in _parse(previous)[1]}
         facts: dict[str, None] = {}  # ordered set: first seen first
-        candidates: list[tuple[float, int, str]] = []  # (score, order, text)
+        candidates: list[_Item] = []
         for message in messages:
             if message.role not in ("user", "assistant", "tool") or not message.content.strip():
                 continue
-            facts.update(dict.fromkeys(_facts_in(message.content)))
-            label = message.role.capitalize()
-            for sentence in _SENTENCE.split(message.content):
-                sentence = " ".join(sentence.split())
-                score = _score(sentence, message.role) if len(sentence) >= 3 else 0.0
-                if score > 0:
-                    candidates.append((score, len(candidates), f"{label}: {sentence}"))
-        new_facts = [f for f in facts if f not in previous]
+            facts.update(dict.fromkeys(identifiers(message.content)))
+            for score, label, text in _message_items(message.role, message.content):
+                key = line_key(text)
+                ids = set(identifiers(text))
+                # A sentence that only repeats known identifiers ("Got it, the AX3000") adds
+                # nothing; a statement about the user still does.
+                repeats = ids and ids <= covered and not statement_score(text)
+                if key not in seen and not repeats:
+                    seen.add(key)
+                    covered |= ids
+                    candidates.append((score, len(candidates), label, text))
+        new_facts = [f for f in facts if f not in known]
+        if not new_facts and not candidates:
+            return previous  # nothing new: a normal result, the cached prefix stays
         if previous:
             room = self.max_tokens - self.count(previous) - 1
             block = self._block(new_facts, candidates, room)
             if block:
                 return f"{previous}\n{block}"
             # Nothing fits. Rewriting costs a re-evaluation of the whole summary, so only
-            # compact for something worth keeping: a new fact, or a sentence with one.
-            salient = any(
-                score >= 3.0 and text.partition(": ")[2] not in previous
-                for score, _, text in candidates
-            )
+            # compact for something worth keeping: a new identifier or a strong statement.
+            salient = any(item[0] >= _SALIENT for item in candidates)
             if block is not None and not salient:
                 return previous
         return self._compact(previous, new_facts, candidates)
 
-    def _block(
-        self, facts: list[str], candidates: list[tuple[float, int, str]], room: int
-    ) -> str | None:
+    def _block(self, facts: list[str], candidates: list[_Item], room: int) -> str | None:
         """The best block that fits ``room`` tokens; None if even the facts do not fit."""
-        head = [_FACTS + "; ".join(facts)] if facts else []
-        used = self.count(head[0]) + 1 if head else 0
+        used = self.count(_render(facts, [])) + 1 if facts else 0
         if used > room:
             return None
-        chosen: list[tuple[float, int, str]] = []
+        chosen: list[_Item] = []
         for item in sorted(candidates, key=lambda c: (-c[0], c[1])):
-            cost = self.count(item[2]) + 1
+            cost = self.count(item[3]) + 2
             if used + cost <= room:
                 chosen.append(item)
                 used += cost
-        lines = head + [text for _, _, text in sorted(chosen, key=lambda c: c[1])]
-        text = "\n".join(lines)
-        while lines and self.count(text) > room:  # merging across lines can add a token
-            lines.pop()
-            text = "\n".join(lines)
-        return text
+        text = _render(facts, chosen)
+        while chosen and self.count(text) > room:  # labels and joins can add a token or two
+            chosen.remove(min(chosen, key=lambda c: (c[0], -c[1])))
+            text = _render(facts, chosen)
+        return text if self.count(text) <= room else None
 
-    def _compact(
-        self, previous: str, new_facts: list[str], candidates: list[tuple[float, int, str]]
-    ) -> str:
+    def _compact(self, previous: str, new_facts: list[str], candidates: list[_Item]) -> str:
         target = max(16, int(self.max_tokens * self.compact_to))
-        facts: dict[str, None] = {}
-        lines: list[tuple[float, int, str]] = []
-        for index, line in enumerate(previous.splitlines()):
-            if line.startswith(_FACTS):
-                facts.update(dict.fromkeys(f for f in line[len(_FACTS) :].split("; ") if f))
-            elif line.strip():
-                role, _, text = line.partition(": ")
-                lines.append((_score(text, role.lower()), index, line))
-        facts.update(dict.fromkeys(new_facts))
-        base = len(lines)
-        lines += [(score, base + order + 1, text) for score, order, text in candidates]
-        return self._fit(list(facts), lines, target)
+        old_facts, old_items = _parse(previous)
+        facts = list(dict.fromkeys(old_facts + new_facts))
+        items: list[_Item] = [
+            (_item_score(text, label), order, label, text)
+            for order, (label, text) in enumerate(old_items)
+        ]
+        base = len(items)
+        items += [(score, base + order, label, text) for score, order, label, text in candidates]
+        return self._fit(facts, items, target)
 
-    def _fit(self, facts: list[str], lines: list[tuple[float, int, str]], limit: int) -> str:
-        """Drop the lowest-scoring lines (oldest first among equals), then the oldest facts.
+    def _fit(self, facts: list[str], items: list[_Item], limit: int) -> str:
+        """Drop the lowest-scoring items (oldest first among equals), then the oldest facts.
 
-        Per-line counts make this linear; a short exact pass fixes what merging changes.
+        Per-item counts make this linear; a short exact pass fixes what joining changes.
         """
-
-        def render(facts: list[str], lines: list[tuple[float, int, str]]) -> str:
-            body = [text for _, _, text in sorted(lines, key=lambda item: item[1])]
-            head = [_FACTS + "; ".join(facts)] if facts else []
-            return "\n".join(head + body)
-
-        line_cost = {order: self.count(text) + 1 for _, order, text in lines}
+        item_cost = {item[1]: self.count(item[3]) + 1 for item in items}
         fact_cost = [self.count(fact) + 1 for fact in facts]
-        total = self.count(_FACTS) + sum(fact_cost) + sum(line_cost.values())
-        by_value = sorted(lines, key=lambda item: (item[0], item[1]))
+        total = self.count(FACTS_PREFIX) + sum(fact_cost) + sum(item_cost.values())
+        by_value = sorted(items, key=lambda item: (item[0], item[1]))
         dropped = 0
         while total > limit and dropped < len(by_value):
-            total -= line_cost[by_value[dropped][1]]
+            total -= item_cost[by_value[dropped][1]]
             dropped += 1
         first_fact = 0
         while total > limit and first_fact < len(facts):
             total -= fact_cost[first_fact]
             first_fact += 1
-        kept_lines, kept_facts = by_value[dropped:], facts[first_fact:]
-        text = render(kept_facts, kept_lines)
-        while self.count(text) > limit and (kept_lines or kept_facts):
-            if kept_lines:
-                kept_lines = kept_lines[1:]
+        kept_items, kept_facts = by_value[dropped:], facts[first_fact:]
+        text = _render(kept_facts, kept_items)
+        while self.count(text) > limit and (kept_items or kept_facts):
+            if kept_items:
+                kept_items = kept_items[1:]
             else:
                 kept_facts = kept_facts[1:]
-            text = render(kept_facts, kept_lines)
+            text = _render(kept_facts, kept_items)
         return text
 
 
 DEFAULT_PROMPT = (
-    "You maintain a running summary of a customer support conversation. Update the summary "
-    "with the new messages. Keep every order number, ticket number, product model, name, "
-    "amount and date exactly as written, and what was decided. Use at most {max_words} words. "
-    "Write only the summary."
+    "You keep a running summary of a conversation. Update it with the new messages. Keep "
+    "what the user said about themselves (names, family, pets, allergies, home, work, plans, "
+    "dates, numbers, likes) and what they still want, plus every order or ticket number, "
+    "e-mail and amount exactly as written. At most {max_words} words. Write only the summary."
 )
 
 
@@ -191,23 +241,27 @@ class LLMSummarizer:
 
     Evicted messages are folded in chunks of at most ``max_input_tokens`` (counted with
     ``count``), so a large eviction never produces a prompt the model cannot take.
-    ChatSession wires ``generate`` to the engine's side sequence when there is one.
+    ChatSession wires ``generate`` to the engine's side sequence when there is one. With
+    ``timed``, ``generate`` is also given ``timeout_s``: the seconds left before the whole
+    summary's deadline (see ``fold``).
     """
 
     def __init__(
         self,
-        generate: Callable[[list[dict[str, Any]]], str],
+        generate: Callable[..., str],
         *,
         max_tokens: int = 192,
         prompt: str = DEFAULT_PROMPT,
         count: Callable[[str], int] | None = None,
         max_input_tokens: int = 1024,
+        timed: bool = False,
     ) -> None:
         self.generate = generate
         self.max_tokens = max_tokens
         self.prompt = prompt
         self.count = count or (lambda text: len(text) // 3 + 1)
         self.max_input_tokens = max_input_tokens
+        self.timed = timed
 
     def request(self, previous: str | None, lines: Sequence[str]) -> list[dict[str, Any]]:
         transcript = "\n".join(lines)
@@ -218,14 +272,18 @@ class LLMSummarizer:
         system = self.prompt.format(max_words=max(16, int(self.max_tokens * 0.7)))
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
-    def _chunks(self, previous: str | None, messages: Sequence[Message]) -> list[list[str]]:
+    def _chunks(
+        self, previous: str | None, messages: Sequence[Message]
+    ) -> list[tuple[list[str], list[int]]]:
+        """(transcript lines, ids of the messages they cover) per request, in order."""
         # The request holds the instructions, the summary so far and one chunk of messages.
         overhead = self.count(self.prompt) + self.max_tokens + 64
         room = max(32, self.max_input_tokens - overhead - self.count(previous or ""))
-        chunks: list[list[str]] = [[]]
+        chunks: list[tuple[list[str], list[int]]] = [([], [])]
         used = 0
         for m in messages:
-            if not m.content.strip():
+            if not m.content.strip():  # nothing to say: covered by whichever chunk is open
+                chunks[-1][1].append(m.id)
                 continue
             line = f"{m.role}: {m.content}"
             n = self.count(line)
@@ -233,23 +291,62 @@ class LLMSummarizer:
                 keep = max(16, len(line) * room // (2 * n))
                 line = line[:keep] + " [...] " + line[-keep:]
                 n = self.count(line)
-            if chunks[-1] and used + n > room:
-                chunks.append([])
+            if chunks[-1][0] and used + n > room:
+                chunks.append(([], []))
                 used = 0
-            chunks[-1].append(line)
+            chunks[-1][0].append(line)
+            chunks[-1][1].append(m.id)
             used += n
-        return [c for c in chunks if c]
+        return [c for c in chunks if c[0] or c[1]]
+
+    def fold(
+        self,
+        previous: str | None,
+        messages: Sequence[Message],
+        *,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> tuple[str | None, list[int], str | None]:
+        """Fold ``messages`` chunk by chunk until done or until ``clock()`` passes ``deadline``.
+
+        Returns (summary, ids of the messages it covers, why it stopped early or None). What
+        was finished is kept: a chunk that times out or fails ends the fold with the summary
+        of the chunks before it (the caller retries the rest later). A failure before any
+        chunk is done is raised. An empty answer means nothing to add: the summary so far
+        stays and the chunk counts as covered.
+        """
+        summary = previous
+        covered: list[int] = []
+        chunks = self._chunks(previous, messages)
+        for index, (lines, ids) in enumerate(chunks):
+            if not lines:
+                covered += ids
+                continue
+            left = None if deadline is None else deadline - clock()
+            if left is not None and left <= 0:
+                return summary, covered, (f"deadline reached after {index} of {len(chunks)} chunks")
+            try:
+                request = self.request(summary, lines)
+                raw = (
+                    self.generate(request, timeout_s=left) if self.timed else self.generate(request)
+                )
+            except Exception as exc:
+                if not covered:
+                    raise
+                return (
+                    summary,
+                    covered,
+                    (f"chunk {index + 1} of {len(chunks)} failed: {type(exc).__name__}: {exc}"),
+                )
+            text = str(raw).strip()
+            if text:
+                summary = text
+            covered += ids
+        return summary, covered, None
 
     def __call__(self, previous: str | None, messages: Sequence[Message]) -> str:
-        summary = previous
-        for lines in self._chunks(previous, messages):
-            text = self.generate(self.request(summary, lines)).strip()
-            if not text:
-                raise SummaryError("the model returned an empty summary")
-            summary = text
-        if summary is None:
-            raise SummaryError("nothing to summarize")
-        return summary
+        summary, _, _ = self.fold(previous, messages)
+        return summary or ""
 
 
 def message_dicts(messages: Sequence[Message]) -> list[Mapping[str, Any]]:
@@ -267,10 +364,13 @@ def summarizer_for(
     count: Callable[[str], int],
     max_tokens: int,
     budget: int,
-    generate: Callable[[list[dict[str, Any]]], str] | None = None,
+    generate: Callable[..., str] | None = None,
     max_input_tokens: int = 1024,
+    timed: bool = False,
 ) -> Summarizer | None:
-    """The summarizer a ``ContextSettings.summarizer`` value names (None for "none")."""
+    """The summarizer a ``ContextSettings.summarizer`` value names (None for "none").
+
+    ``timed``: ``generate`` takes ``timeout_s`` (see ``LLMSummarizer``)."""
     limit = summary_limit(max_tokens, budget)
     if kind == "extractive":
         return ExtractiveSummarizer(count, max_tokens=limit)
@@ -278,6 +378,10 @@ def summarizer_for(
         if generate is None:
             raise SummaryError("the llm summarizer needs a loaded model")
         return LLMSummarizer(
-            generate, max_tokens=limit, count=count, max_input_tokens=max_input_tokens
+            generate,
+            max_tokens=limit,
+            count=count,
+            max_input_tokens=max_input_tokens,
+            timed=timed,
         )
     return None

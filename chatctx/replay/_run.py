@@ -43,6 +43,12 @@ class ReplayConfig(_Model):
     max_turns: int | None = Field(None, ge=1, description="Replay at most this many user turns.")
     system: str | None = Field(None, description="System prompt replacing the logged one.")
     max_tokens: int = Field(128, ge=1, description="Longest regenerated reply.")
+    recall: bool = Field(True, description="Recall evicted messages matching the new one.")
+    recall_budget: int = Field(96, ge=0, description="Most tokens of recalled messages.")
+    recall_k: int = Field(3, ge=1, le=50, description="Most messages recalled per turn.")
+    recall_trigger: Literal["question", "always"] = Field(
+        "question", description="Recall for questions only, or for every message."
+    )
 
     def context(self) -> ContextSettings:
         return ContextSettings(
@@ -53,6 +59,10 @@ class ReplayConfig(_Model):
             low=self.low,
             eviction=self.eviction,
             summarizer=self.summarizer,
+            recall=self.recall,
+            recall_budget=self.recall_budget,
+            recall_k=self.recall_k,
+            recall_trigger=self.recall_trigger,
         )
 
     @property
@@ -265,72 +275,111 @@ class Replayer(Closeable):
         report: ConversationReport,
         on_turn: Callable[[TurnReport], None] | None,
     ) -> None:
+        from sqlalchemy import insert  # local: only dry runs write rows this way
+
+        from chatctx.store._models import MessageRow
+
         codec = self.codec
         assert codec is not None
         settings = self.config.context()
-        history: list[Message] = []
-        by_id: dict[int, Message] = {}
-        builder = ContextBuilder(
-            codec,
-            settings,
-            summarizer=summarizer_for(
-                settings.summarizer,
-                count=codec.count,
-                max_tokens=settings.summary_max_tokens,
-                budget=self.config.budget,
-            ),
-            lookup=lambda ids: [by_id[i] for i in ids if i in by_id],
-        )
-        state = ContextState()
-        cache: list[int] = []
+        # The history lives in an in-memory store, as a live run's does: recall searches it
+        # with the same full-text index. Rows go in with one plain INSERT per turn (the ORM
+        # path costs more than the rest of a dry turn); the triggers index them all the same.
+        with Store("sqlite://") as store:
+            store.create_conversation(cid)
+            history: list[Message] = []
 
-        def add(message: dict[str, Any]) -> None:
-            m = Message(
-                id=len(history) + 1,
-                conversation_id=cid,
-                position=len(history),
-                role=message["role"],
-                content=message["content"],
-                name=message.get("name"),
-                tool_call_id=message.get("tool_call_id"),
-                tool_calls=message.get("tool_calls"),
-            )
-            history.append(m)
-            by_id[m.id] = m
+            def add(messages: Sequence[dict[str, Any]]) -> None:
+                new = [
+                    Message(
+                        id=len(history) + n + 1,
+                        conversation_id=cid,
+                        position=len(history) + n,
+                        role=m["role"],
+                        content=m["content"],
+                        name=m.get("name"),
+                        tool_call_id=m.get("tool_call_id"),
+                        tool_calls=m.get("tool_calls"),
+                    )
+                    for n, m in enumerate(messages)
+                ]
+                with store.engine.begin() as connection:
+                    connection.execute(
+                        insert(MessageRow),
+                        [
+                            {
+                                "id": m.id,
+                                "conversation_id": cid,
+                                "position": m.position,
+                                "role": m.role,
+                                "content": m.content,
+                                "name": m.name,
+                                "tool_call_id": m.tool_call_id,
+                                "tool_calls": m.tool_calls,
+                            }
+                            for m in new
+                        ],
+                    )
+                history.extend(new)
 
-        for index, (user, logged) in enumerate(turns):
-            window = [m for m in history if m.position >= state.window_start]
-            built = builder.build(
-                system_prompt=system,
-                history=window,
-                new_message=user,
-                budget=self.config.budget,
-                reserve=self.config.reserve_tokens,
-                state=state,
-            )
-            plan = built.plan
-            reuse = plan_reuse(cache, built.tokens, history_start=plan.history_start)
-            shifted = 0
-            if self.config.eviction == "shift" and reuse.chunk is not None:
-                reused = reuse.prefix + reuse.chunk_len
-                shifted = reuse.chunk_len if reuse.delta else 0
-            else:
-                reused = reuse.prefix
-            evicted = len(cache) - reused
-            cache = list(built.tokens)  # a teacher-forced prefill leaves exactly the prompt
-            state = built.state
-            if index in asked:
-                report.retained_in_context += _retained(asked[index].fact, built.messages[:-1])
-            add({"role": "user", "content": user})
-            for message in logged or [{"role": "assistant", "content": ""}]:
-                add(message)
-            self._record(
-                report,
-                on_turn,
-                _turn_report(
-                    cid, index, plan, reused=reused, evicted=evicted, shifted=shifted, ttft_ms=None
+            builder = ContextBuilder(
+                codec,
+                settings,
+                summarizer=summarizer_for(
+                    settings.summarizer,
+                    count=codec.count,
+                    max_tokens=settings.summary_max_tokens,
+                    budget=self.config.budget,
+                ),
+                lookup=store.messages_by_ids,
+                recall=lambda query, before, limit: store.search_messages(
+                    cid, query, before_position=before, limit=limit, replies=True
                 ),
             )
+            state = ContextState()
+            cache: list[int] = []
+            for index, (user, logged) in enumerate(turns):
+                window = [m for m in history if m.position >= state.window_start]
+                built = builder.build(
+                    system_prompt=system,
+                    history=window,
+                    new_message=user,
+                    budget=self.config.budget,
+                    reserve=self.config.reserve_tokens,
+                    state=state,
+                )
+                plan = built.plan
+                reuse = plan_reuse(cache, built.tokens, history_start=plan.history_start)
+                shifted = 0
+                if self.config.eviction == "shift" and reuse.chunk is not None:
+                    reused = reuse.prefix + reuse.chunk_len
+                    shifted = reuse.chunk_len if reuse.delta else 0
+                else:
+                    reused = reuse.prefix
+                evicted = len(cache) - reused
+                cache = list(built.tokens)  # a teacher-forced prefill leaves exactly the prompt
+                state = built.state
+                if index in asked:
+                    report.retained_in_context += _retained(asked[index].fact, built.messages[:-1])
+                add(
+                    [
+                        {"role": "user", "content": user},
+                        *(logged or [{"role": "assistant", "content": ""}]),
+                    ]
+                )
+                self._record(
+                    report,
+                    on_turn,
+                    _turn_report(
+                        cid,
+                        index,
+                        plan,
+                        reused=reused,
+                        evicted=evicted,
+                        shifted=shifted,
+                        ttft_ms=None,
+                    ),
+                )
 
 
 def _turn_report(
@@ -373,14 +422,26 @@ def replay_all(
     """Replay every conversation; with ``on_error="skip"`` a failing one is reported, not fatal.
 
     Reports gathered before a failure are kept in the returned list (and passed to
-    ``on_conversation``) even when the failure is raised.
+    ``on_conversation``) even when the failure is raised. A failure is reported as
+    ``FILE:LINE: ID: reason``; an unexpected exception (a bug that a logged conversation
+    reached) is reported the same way, as ``internal error``, with its traceback logged to
+    ``chatctx.replay``, so that one conversation never ends a batch with a traceback.
+    Errors raised while reading ``conversations`` (``ImportFormatError``) pass through.
     """
+    import logging  # only for the rare internal error; keeps this function self-contained
+
     reports: list[ConversationReport] = []
     for conversation in conversations:
+        cid = conversation.id if conversation.id.isprintable() else ascii(conversation.id)
+        where = f"{conversation.source}:{conversation.line}: {cid}"
         try:
             report = replayer.replay(conversation, on_turn=on_turn)
-        except ChatctxError as exc:
-            message = f"{conversation.source}:{conversation.line}: {conversation.id}: {exc}"
+        except Exception as exc:
+            if isinstance(exc, ChatctxError):
+                message = f"{where}: {exc}"
+            else:
+                logging.getLogger("chatctx.replay").error("%s: internal error", where, exc_info=exc)
+                message = f"{where}: internal error ({type(exc).__name__}: {exc})"
             if on_error != "skip":
                 raise ChatctxError(message) from exc
             if errors is not None:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import copy
+import math
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatctx.config import ContextSettings
-from chatctx.context import ContextBuilder, ContextState, ExtractiveSummarizer
+from chatctx.context import (
+    SUMMARY_HEADER,
+    BuildResult,
+    ContextBuilder,
+    ContextState,
+    ExtractiveSummarizer,
+)
 from chatctx.engine._codec import TiktokenCodec
 from chatctx.errors import ContextBudgetError
 from chatctx.store import Message
@@ -72,17 +80,33 @@ def test_single_build_invariants(
             budget=budget,
         )
     except ContextBudgetError:
-        # Rule 3: raised only when the system prompt and the newest message alone cannot fit
-        # (plus, with summaries, the summary that replaced the evicted turns).
+        # Rule 3: raised only when the system prompt and the newest message alone do not fit
+        # (counted here by rendering just those two).
         alone = len(codec.prompt_tokens([*head, {"role": "user", "content": new_text}]))
-        assert alone > budget or summarize
+        assert alone > budget
         assert history == snapshot
         return
     plan = result.plan
-    # Exact: the plan's count is the rendered prompt's length, within the budget.
-    assert len(result.tokens) == plan.prompt_tokens <= budget
+    # Exact, recounted: the chosen messages rendered and encoded again are the prompt sent,
+    # and it fits the budget.
     assert codec.prompt_tokens(result.messages) == result.tokens
-    assert sum(v for k, v in plan.sections.items() if k != "reserve") == plan.prompt_tokens
+    assert len(result.tokens) == plan.prompt_tokens <= budget
+    # Where the engine is told the kept turns begin: after the system prompt and summary,
+    # as rendering just those messages gives.
+    n_fixed = len(head) + (1 if builder_summary(result) else 0)
+    fixed = len(codec.prompt_tokens(result.messages[:n_fixed], add_generation_prompt=False))
+    assert plan.history_start == fixed  # BOS included when the template opens with it
+    # The high watermark (1.0 of the budget here): nothing is evicted while everything fits;
+    # an eviction goes down to the low one, when the newest message leaves room for that.
+    everything = [*head, *(m.to_openai() for m in history), {"role": "user", "content": new_text}]
+    full = len(codec.prompt_tokens(everything))
+    assert plan.evicted == (full > budget)
+    low_limit = budget if policy == "trim-every-turn" else math.floor(low * budget)
+    if plan.evicted:
+        floor = len(codec.prompt_tokens([*head, {"role": "user", "content": new_text}]))
+        # The summary written for the evicted turns comes on top (bounded by the budget).
+        unsummarized = [m for m in result.messages if not is_summary(m)]
+        assert len(codec.prompt_tokens(unsummarized)) <= low_limit or floor > low_limit
     # Rule 1: the system prompt comes first, intact.
     if system:
         assert result.messages[0] == {"role": "system", "content": SYSTEM}
@@ -116,12 +140,12 @@ def test_single_build_invariants(
         )
 
 
-def builder_summary(result: object) -> bool:
-    messages = result.messages  # type: ignore[attr-defined]
-    return any(
-        m["role"] == "system" and m["content"].startswith("Summary of the earlier")
-        for m in messages
-    )
+def is_summary(message: dict[str, Any]) -> bool:
+    return message["role"] == "system" and message["content"].startswith(SUMMARY_HEADER)
+
+
+def builder_summary(result: BuildResult) -> bool:
+    return any(is_summary(m) for m in result.messages)
 
 
 @EXAMPLES
@@ -151,21 +175,40 @@ def test_prefix_stability_between_evictions(
     history: list[Message] = []
     state = ContextState()
     previous: list[int] | None = None
+    head = {"role": "system", "content": SYSTEM}
     for number, (user_size, reply_size) in enumerate(turns):
         user, reply = text(user_size, number), text(reply_size, number + 50)
+        new = {"role": "user", "content": user}
         try:
             result = builder.build(
                 system_prompt=SYSTEM, history=history, new_message=user, budget=budget, state=state
             )
         except ContextBudgetError:
+            # Only when the system prompt and the new message alone do not fit.
+            assert len(codec.prompt_tokens([head, new])) > budget
             return
         plan = result.plan
         if previous is not None and not plan.evicted:
             assert result.tokens[: len(previous)] == previous
+        assert len(codec.prompt_tokens(result.messages)) == plan.prompt_tokens <= budget
+        # The high watermark, recounted: what would be sent without evicting anything now
+        # (the summary so far, every message since the window start, the new message).
+        summary = (
+            [{"role": "system", "content": SUMMARY_HEADER + state.summary}] if state.summary else []
+        )
+        window = [m.to_openai() for m in history if m.position >= state.window_start]
+        full = len(codec.prompt_tokens([head, *summary, *window, new]))
+        high_limit = math.floor(high * budget)
+        assert plan.evicted == (full > high_limit), (full, high_limit)
         if plan.evicted:
-            assert plan.prompt_tokens <= budget
-        else:
-            assert plan.prompt_tokens <= int(high * budget) or plan.prompt_tokens <= budget
+            # Down to the low watermark when the new message leaves room for that; a summary
+            # that grew on this eviction comes on top of it.
+            floor = len(codec.prompt_tokens([head, *summary, new]))
+            kept = [m for m in result.messages if not is_summary(m)]
+            kept[1:1] = summary
+            assert len(codec.prompt_tokens(kept)) <= math.floor(low * budget) or floor > math.floor(
+                low * budget
+            )
         state = result.state
         for role, content in (("user", user), ("assistant", reply)):
             n = len(history)

@@ -20,8 +20,25 @@ SMALL = {"max_tokens": 8, "temperature": 0.0}
 
 @pytest.fixture
 def engine(tiny_llama3_path: Path):
-    with Engine.load(tiny_llama3_path, n_ctx=512) as engine:
+    with Engine.load(tiny_llama3_path, n_ctx=512, n_threads=1) as engine:
         yield engine
+
+
+def counted(engine: Engine) -> int:
+    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
+    n_p_eval, n_eval = engine.context.perf_counts()
+    return n_p_eval + n_eval
+
+
+def prime_counters(engine: Engine) -> None:
+    """Make both counters non-zero (llama.cpp reads each as at least 1): exact differences."""
+    ctx, bos = engine.context, engine.model.bos
+    engine.clear()
+    ctx.decode(0, [bos, bos], 0, want_last_logits=False)
+    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
+    ctx.decode(0, [bos], 2, want_last_logits=False)
+    ctx.perf_counts()  # one token counts in n_eval
+    engine.clear()
 
 
 def chat_many(chat: ChatSession, n: int, start: int = 0) -> list:
@@ -40,11 +57,17 @@ def test_long_chat_evicts_and_persists_across_reopen(db_url: str, engine: Engine
         settings=SMALL,
         context={"budget": 300},
     ) as chat:
-        replies = chat_many(chat, 25)
+        replies, recounts = [], []
+        for i in range(25):
+            replies += chat_many(chat, 1, start=i)
+            assert chat.last_build is not None
+            # Recounted with llama.cpp's tokenizer (the builder counts with tiktoken).
+            recounts.append(len(engine.prompt_tokens(chat.last_build.messages)))
     evictions = [r for r in replies if r.plan.evicted]
     assert evictions, "a 25-turn chat at budget 300 must evict"
-    assert all(r.plan.prompt_tokens <= 300 for r in replies)
-    assert all(r.usage.prompt_tokens == r.plan.prompt_tokens for r in replies)
+    assert [r.plan.prompt_tokens for r in replies] == recounts
+    assert [r.usage.prompt_tokens for r in replies] == recounts
+    assert max(recounts) <= 300
     with Store(db_url) as store:
         state = store.context_state("c")
         assert len(store.messages("c")) == 50  # the store keeps everything
@@ -66,14 +89,28 @@ def test_long_chat_evicts_and_persists_across_reopen(db_url: str, engine: Engine
 
 
 def test_prefix_is_reused_between_evictions(db_url: str, engine: Engine) -> None:
+    # llama.cpp's own count of the tokens it evaluated, read as each turn is recorded.
+    prime_counters(engine)
+    counts = [counted(engine)]
     with ChatSession.open(
-        db_url, conversation_id="c", model=engine, settings=SMALL, context={"budget": 300}
+        db_url,
+        conversation_id="c",
+        model=engine,
+        settings=SMALL,
+        context={"budget": 300},
+        on_turn=lambda _turn: counts.append(counted(engine)),
     ) as chat:
         replies = chat_many(chat, 20)
-    for before, after in itertools.pairwise(replies):
+    evaluated = [
+        after - before - (r.usage.generated_tokens - (r.stop_reason == "length"))
+        for r, before, after in zip(replies, counts[:-1], counts[1:], strict=True)
+    ]
+    assert [r.usage.evaluated_tokens for r in replies] == evaluated
+    assert any(r.plan.evicted for r in replies)
+    for before, after, n in zip(replies, replies[1:], evaluated[1:], strict=False):
         if not after.plan.evicted:
-            # everything the previous turn prefilled is reused
-            assert after.usage.reused_tokens >= before.usage.prompt_tokens
+            # everything the previous turn prefilled came from the cache
+            assert after.usage.prompt_tokens - n >= before.usage.prompt_tokens
 
 
 def test_failing_summarizer_keeps_previous_summary(db_url: str, engine: Engine) -> None:
@@ -115,9 +152,17 @@ def test_token_counts_are_cached_in_the_store(db_url: str, engine: Engine) -> No
         chat_many(chat, 14)
         fingerprint = chat.builder().codec.fingerprint
         ids = [m.id for m in chat.history()]
+        messages = [m.to_openai() for m in chat.history()]
     with Store(db_url) as store:
         counts = store.get_token_counts(fingerprint, ids)
-    assert counts and all(n > 0 for n in counts.values())
+    # Recounted with llama.cpp's tokenizer: what each message adds to the rendered chat.
+    lengths = [
+        len(engine.prompt_tokens(messages[:n], add_generation_prompt=False))
+        for n in range(len(messages) + 1)
+    ]
+    recount = dict(zip(ids, [b - a for a, b in itertools.pairwise(lengths)], strict=True))
+    assert counts  # the messages counted so far (evicted turns, the latest replies)
+    assert counts == {i: recount[i] for i in counts}
     assert fingerprint.startswith("tt-")
 
 

@@ -56,3 +56,39 @@ def test_llm_summarizer_folds_chunks() -> None:
     assert summarizer("old", long_chat) == f"summary v{len(seen)}"
     assert len(seen) > 1  # too long for one request: folded in chunks
     assert "Summary so far:\nold" in seen[0] and f"summary v{len(seen) - 1}" in seen[-1]
+
+
+def test_facts_are_compared_as_a_set_not_by_substring(llama3_codec: TiktokenCodec) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=96)
+    first = summarize(None, msgs(("user", "My order is NH-48213.")))
+    assert "NH-48213" in first
+    # NH-4821 is a substring of NH-48213 but another order: it must be added.
+    second = summarize(first, msgs(("user", "Oh, and there is NH-4821 too.")))
+    assert second.startswith(first)
+    assert "Facts: NH-4821" in second[len(first) :].splitlines()
+    # The reverse: an identifier already in the summary (here only inside a kept sentence)
+    # is not added again.
+    previous = "User: my ticket T-7781 is still open"
+    assert summarize(previous, msgs(("assistant", "Ticket T-7781 is with the team."))) == previous
+
+
+def test_appending_keeps_the_previous_summary_as_a_token_prefix(
+    llama3_codec: TiktokenCodec,
+) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=160)
+    summary = summarize(None, CHAT[:4])
+    for said in ("oh and im allergic to shellfish", "lol ok", "my dog is called biscuit"):
+        updated = summarize(summary, msgs(("user", said), ("assistant", "Noted!")))
+        assert updated.startswith(summary)
+        old, new = llama3_codec.encode(summary), llama3_codec.encode(updated)
+        assert new[: len(old)] == old  # llama.cpp reuses every cached token of the summary
+        summary = updated
+    assert "shellfish" in summary and "biscuit" in summary
+
+
+def test_nothing_new_returns_the_previous_summary_unchanged(llama3_codec: TiktokenCodec) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=80)
+    first = summarize(None, CHAT)
+    assert summarize(first, CHAT) == first  # the same facts again: nothing to add
+    assert summarize(first, msgs(("user", "haha thanks"), ("assistant", "Anytime!"))) == first
+    assert summarize(None, msgs(("user", "hi"), ("assistant", "Hello!"))) == ""

@@ -62,3 +62,36 @@ def test_plans_are_consistent(
         assert start >= plan.prefix and end <= len(cached)
         assert cached[start:end] == prompt[plan.dest : plan.dest + plan.chunk_len]
         assert plan.dest >= plan.prefix
+
+
+def best_by_search(
+    cached: list[int], prompt: list[int], history_start: int | None, min_chunk: int
+) -> int:
+    """Most tokens any allowed plan reuses, by trying every one: the common prefix (never the
+    prompt's last token) plus at most one cached run of ``min_chunk`` or more tokens, moved
+    to right after the prefix or to ``history_start``."""
+    limit = len(prompt) - 1
+    prefix = 0
+    while prefix < min(len(cached), limit) and cached[prefix] == prompt[prefix]:
+        prefix += 1
+    dests = {prefix} | ({history_start} if history_start and prefix < history_start else set())
+    best = 0
+    for dest in dests:
+        for at in range(prefix, len(cached)):
+            for length in range(min_chunk, min(len(cached) - at, limit - dest) + 1):
+                if cached[at : at + length] == prompt[dest : dest + length]:
+                    best = max(best, length)
+    return prefix + best
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    cached=st.lists(st.integers(0, 3), max_size=24),
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=24),
+    history_start=st.none() | st.integers(0, 24),
+)
+def test_plans_reuse_as_much_as_an_exhaustive_search(
+    cached: list[int], prompt: list[int], history_start: int | None
+) -> None:
+    plan = plan_reuse(cached, prompt, history_start=history_start, min_chunk=3)
+    assert plan.prefix + plan.chunk_len == best_by_search(cached, prompt, history_start, 3)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from chatctx import ChatSession, Engine, GenerationSettings
 from chatctx.cli import cli
 from chatctx.errors import ImportFormatError
-from chatctx.replay import ReplayConfig, Replayer, parse_logged, read_logs
+from chatctx.replay import ReplayConfig, Replayer, TurnReport, parse_logged, read_logs
 from chatctx.store import Store
 from chatctx.synthetic import support_conversation
 
@@ -72,35 +73,108 @@ def test_invalid_utf8_and_gzip(tmp_path: Path) -> None:
     assert [c.id for c in read_logs([str(packed)])] == ["synthetic-3"]
 
 
-def test_dry_run_matches_the_engine(tiny_llama3_path: Path) -> None:
+def counted(engine: Engine) -> int:
+    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
+    n_p_eval, n_eval = engine.context.perf_counts()
+    return n_p_eval + n_eval
+
+
+def prime_counters(engine: Engine) -> None:
+    """Make both counters non-zero (llama.cpp reads each as at least 1): exact differences."""
+    ctx, bos = engine.context, engine.model.bos
+    ctx.decode(0, [bos, bos], 0, want_last_logits=False)
+    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
+    ctx.decode(0, [bos], 2, want_last_logits=False)
+    ctx.perf_counts()  # one token counts in n_eval
+    engine.clear()
+
+
+def test_teacher_forced_and_dry_runs_count_what_llama_cpp_evaluated(
+    tiny_llama3_path: Path,
+) -> None:
+    # The oracle is llama.cpp's own count of the tokens it evaluated on each turn (one
+    # sequence decodes, so the counters are attributable), not chatctx's plan.
     conv = parse_logged(json.dumps(support_conversation(50, seed=4)), line=1)
-    results = {}
-    for mode in ("dry", "teacher"):
-        with Replayer(ReplayConfig(mode=mode, budget=400), model=tiny_llama3_path) as replayer:
-            report = replayer.replay(conv)
-        results[mode] = [
-            (
-                t.prompt_tokens,
-                t.new_tokens,
-                t.reused_tokens,
-                t.evaluated_tokens,
-                t.evicted_tokens,
-                t.shifted_tokens,
-            )
-            for t in report.turns
-        ]
-        assert report.probes == 5
-    assert results["dry"] == results["teacher"]
-    assert any(row[5] for row in results["dry"])  # shifts happened
+    config = ReplayConfig(mode="teacher", budget=400)
+    counts: list[int] = []
+    cells: list[int] = []
+    with Engine.load(
+        tiny_llama3_path, n_ctx=400 + config.reserve_tokens, n_seq_max=2, n_threads=1
+    ) as engine:
+        prime_counters(engine)
+        seen = [counted(engine)]
+
+        def on_turn(_turn: TurnReport) -> None:
+            now = counted(engine)
+            counts.append(now - seen[-1])
+            seen.append(now)
+            cells.append(engine.context.seq_pos_max(0) + 1)
+
+        with Replayer(config, engine=engine) as replayer:
+            teacher = replayer.replay(conv, on_turn=on_turn)
+    with Replayer(config.model_copy(update={"mode": "dry"}), model=tiny_llama3_path) as replayer:
+        dry = replayer.replay(conv)
+    assert len(teacher.turns) == len(dry.turns) == len(counts) == 50
+    # A teacher-forced prefill leaves exactly the prompt in llama.cpp's cache.
+    assert [t.prompt_tokens for t in teacher.turns] == cells
+    # Teacher-forced: the evaluated tokens reported are the ones llama.cpp evaluated.
+    assert [t.evaluated_tokens for t in teacher.turns] == counts
+    # Dry (no weights): the same figures, computed from the tokenizer alone.
+    assert [t.prompt_tokens for t in dry.turns] == cells
+    assert [t.evaluated_tokens for t in dry.turns] == counts
+    assert [t.reused_tokens for t in dry.turns] == [
+        c - n for c, n in zip(cells, counts, strict=True)
+    ]
+    assert [(t.evicted_tokens, t.shifted_tokens) for t in dry.turns] == [
+        (t.evicted_tokens, t.shifted_tokens) for t in teacher.turns
+    ]
+    assert any(t.shifted_tokens for t in dry.turns)  # the shift path ran
+    assert dry.probes == teacher.probes == 5
 
 
-def test_regenerate_measures_answer_retention(tiny_llama3_path: Path) -> None:
-    conv = parse_logged(json.dumps(support_conversation(20, seed=5)), line=1)
+def test_regenerate_counts_the_answers_that_contain_the_fact(tiny_llama3_path: Path) -> None:
+    # Oracle: a solo run of the same chat (greedy, same engine and settings) gives the replies
+    # the replay will regenerate. Three probes ask for a piece of the reply the model gives at
+    # that turn, two for text it never writes: exactly three answers contain their fact.
+    base = support_conversation(20, seed=5)
     config = ReplayConfig(mode="regenerate", budget=600, max_tokens=8)
-    with Replayer(config, model=tiny_llama3_path) as replayer:
-        report = replayer.replay(conv)
+    asked_turns = [10, 12, 14, 16, 18]
+    with Engine.load(
+        tiny_llama3_path, n_ctx=600 + config.reserve_tokens, n_seq_max=2, n_threads=1
+    ) as engine:
+        conv = parse_logged(json.dumps(base), line=1)
+        replies: list[str] = []
+        with (
+            Store("sqlite://") as store,
+            ChatSession.open(
+                store,
+                conversation_id=conv.id,
+                model=engine,
+                system_prompt=conv.system_prompt,
+                settings=GenerationSettings(max_tokens=8, temperature=0.0),
+                context=config.context(),
+            ) as chat,
+        ):
+            engine.clear()
+            replies = [chat.send(user).text for user, _ in conv.turns()]
+        # (The random-weight model's greedy replies are runs of newlines: a piece is one.)
+        pieces = [replies[t][:4] for t in asked_turns[:3]]
+        assert all(pieces)
+        probes = [
+            {"fact": fact, "asked_turn": turn}
+            for fact, turn in zip(
+                [*pieces, "never-written-1", "never-written-2"], asked_turns, strict=True
+            )
+        ]
+        expected = sum(
+            p["fact"].casefold() in replies[int(p["asked_turn"])].casefold() for p in probes
+        )
+        assert expected == 3
+        probed = parse_logged(json.dumps(base | {"probes": probes}), line=1)
+        with Replayer(config, engine=engine) as replayer:
+            report = replayer.replay(probed)
     assert report.answer_probes == report.probes == 5
-    assert 0 <= report.retained_in_answer <= 5  # random weights: the number, not its value
+    assert report.retained_in_answer == expected
     assert all(t.ttft_ms is not None for t in report.turns)
 
 
@@ -148,15 +222,43 @@ def test_replay_cli_json_and_csv(tmp_path: Path, tiny_llama3_path: Path) -> None
     assert len(csv_path.read_text().splitlines()) == 121
 
 
+def table_cells(text: str, first: str) -> list[list[str]]:
+    """The body rows of the text tables whose first cell is ``first``."""
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in text.splitlines()]
+    return [r for r in rows if r and r[0] == first]
+
+
 def test_replay_stdin_dry_run_and_text_output(tiny_llama3_path: Path) -> None:
+    # The text tables print the figures of the same replay's JSON rows, turn by turn.
     text = json.dumps(support_conversation(30, seed=6)) + "\n"
-    result = CliRunner().invoke(
-        cli,
-        ["replay", "-", "--dry-run", "--model", str(tiny_llama3_path), "--budget", "300"],
-        input=text,
-    )
+    args = ["replay", "-", "--dry-run", "--model", str(tiny_llama3_path), "--budget", "300"]
+    result = CliRunner().invoke(cli, args, input=text)
     assert result.exit_code == 0, result.output
-    assert "per-turn" in result.output and "overall" in result.output
+    as_json = CliRunner().invoke(cli, [*args, "--json"], input=text)
+    doc = json.loads(as_json.output)
+    turns = table_cells(result.output, "synthetic-6")
+    assert [[int(c) for c in row[1:3] + row[6:10]] for row in turns[:30]] == [
+        [
+            t["turn"],
+            t["prompt_tokens"],
+            t["reused_tokens"],
+            t["evaluated_tokens"],
+            t["evicted_tokens"],
+            t["shifted_tokens"],
+        ]
+        for t in doc["turns"]
+    ]
+    (overall,) = table_cells(result.output, "overall")
+    evaluated = sum(t["evaluated_tokens"] for t in doc["turns"])
+    new = sum(t["new_tokens"] for t in doc["turns"])
+    reused = sum(t["reused_tokens"] for t in doc["turns"])
+    prompt = sum(t["prompt_tokens"] for t in doc["turns"])
+    assert overall[1:5] == [
+        "30",
+        f"{evaluated / new:.2f}",
+        f"{reused / prompt:.2f}",
+        str(sum(t["evicted"] for t in doc["turns"])),
+    ]
 
 
 def test_replay_failure_keeps_results_so_far(tmp_path: Path, tiny_llama3_path: Path) -> None:

@@ -1,0 +1,160 @@
+"""Recall: evicted messages that match the new one, sent again right before it.
+
+The builder asks a search (the store's full-text index) for the conversation's evicted
+messages that share the new message's words, and fits the best of them into a small labelled
+section placed after the cached history. Nothing before that section changes, so the cached
+prefix stays valid and only the recalled tokens are new; the next turn drops the section again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from chatctx.store import Message
+from chatctx.store._search import query_terms, stem_prefix
+
+RECALL_HEADER = "Earlier in this conversation (recalled):\n"
+SNIPPET_GAP = " … "
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_WORD = re.compile(r"[^\W_]+")
+
+
+class RecallSearch(Protocol):
+    """Finds a conversation's messages before ``before_position`` that match ``query``.
+
+    Returns (message, score) best first, higher scores better. A matched user message may be
+    followed by the assistant message right after it (its reply) with the same score
+    (``Store.search_messages(..., replies=True)``).
+    """
+
+    def __call__(
+        self, query: str, before_position: int, limit: int
+    ) -> Sequence[tuple[Message, float]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """One match: the matched message, its reply when there is one, and the score."""
+
+    message: Message
+    reply: Message | None
+    score: float
+
+
+# Words that ask for something said before, in a message that is not a question ("again"
+# and "last" are not among them: "weird again today" asks for nothing).
+_CUES = frozenset(
+    "remind remember recall earlier said told mentioned forgot forget".split()  # noqa: SIM905
+)
+
+
+# A question without its question mark ("where did I park") starts with one of these.
+_ASKING = frozenset(
+    """
+    what where when who whom whose which how why did do does is are was were can could would
+    will have has
+    """.split()  # noqa: SIM905
+)
+
+
+def asks_back(text: str) -> bool:
+    """Whether a message may be asking about something said earlier: a question (with or
+    without its question mark), or a cue such as "remind me" or "you told me". Other messages
+    are not worth the recall tokens."""
+    words = _WORD.findall(text.casefold())
+    return "?" in text or bool(words and words[0] in _ASKING) or any(w in _CUES for w in words)
+
+
+def _normalized(text: str) -> list[str]:
+    return _WORD.findall(text.casefold())
+
+
+def repeats(message: Message, query: str) -> bool:
+    """Whether ``message`` says word for word what the new message says: nothing to add."""
+    return _normalized(message.content) == _normalized(query)
+
+
+def group_hits(found: Sequence[tuple[Message, float]]) -> list[Hit]:
+    """Pair each user message with the reply listed right after it."""
+    hits: list[Hit] = []
+    for message, score in found:
+        last = hits[-1] if hits else None
+        if (
+            last is not None
+            and last.reply is None
+            and last.message.role == "user"
+            and message.role == "assistant"
+            and message.position == last.message.position + 1
+        ):
+            hits[-1] = Hit(last.message, message, last.score)
+        else:
+            hits.append(Hit(message, None, score))
+    return hits
+
+
+def _matches(word: str, terms: set[str], prefixes: set[str]) -> bool:
+    return word in terms or any(word.startswith(p) for p in prefixes)
+
+
+def snippet(text: str, query: str) -> list[tuple[int, str]]:
+    """The sentences of ``text`` that share a word with ``query``, best first.
+
+    Used when a whole message does not fit: the part that matched is what is worth sending.
+    """
+    terms = set(query_terms(query))
+    prefixes = {p for p in (stem_prefix(t) for t in terms) if p is not None}
+    scored: list[tuple[int, int, str]] = []
+    for order, sentence in enumerate(_SENTENCE.split(text)):
+        sentence = " ".join(sentence.split())
+        words = {w for w in _WORD.findall(sentence.casefold())}
+        shared = sum(_matches(w, terms, prefixes) for w in words)
+        if shared:
+            scored.append((shared, order, sentence))
+    return [(order, s) for _, order, s in sorted(scored, key=lambda item: (-item[0], item[1]))]
+
+
+def render_section(items: Sequence[tuple[Message, str]]) -> str:
+    """The recall section's text: the recalled lines in conversation order."""
+    ordered = sorted(items, key=lambda item: item[0].position)
+    return RECALL_HEADER + "\n".join(
+        f"- {message.role}: {' '.join(text.split())}" for message, text in ordered
+    )
+
+
+def fit_recall(
+    hits: Sequence[Hit], query: str, room: int, cost: Callable[[str], int]
+) -> list[tuple[Message, str, float]]:
+    """Choose what to recall within ``room`` tokens: (message, text sent, score), best first.
+
+    ``cost`` gives the tokens the whole section would take. Each hit is tried as the whole
+    exchange (the user message and its reply), then the matched message alone, then its
+    matching sentences; a hit that does not fit at all is skipped for the next one.
+    """
+    chosen: list[tuple[Message, str, float]] = []
+
+    def fits(extra: Sequence[tuple[Message, str]]) -> bool:
+        items = [(m, t) for m, t, _ in chosen] + list(extra)
+        return cost(render_section(items)) <= room
+
+    for hit in hits:
+        message = hit.message
+        options: list[list[tuple[Message, str]]] = []
+        if hit.reply is not None and hit.reply.content.strip():
+            options.append([(message, message.content), (hit.reply, hit.reply.content)])
+        options.append([(message, message.content)])
+        for option in options:
+            if fits(option):
+                chosen += [(m, t, hit.score) for m, t in option]
+                break
+        else:
+            kept: list[tuple[int, str]] = []
+            for sentence in snippet(message.content, query):
+                trial = sorted([*kept, sentence])
+                if fits([(message, SNIPPET_GAP.join(t for _, t in trial))]):
+                    kept = trial
+            if kept:
+                chosen.append((message, SNIPPET_GAP.join(t for _, t in kept), hit.score))
+    return chosen

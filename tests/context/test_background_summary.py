@@ -1,0 +1,124 @@
+"""A slow summary never blocks a turn: it is written in the background and taken later.
+
+Oracle: a fake folding summarizer gated by an event, so the test decides when the summary is
+"written", and records exactly which messages it was given.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from chatctx import ChatSession, Engine
+from chatctx.context import BackgroundSummarizer, ContextBuilder, ContextState
+from chatctx.context._background import RUNNING
+from chatctx.store import Message
+
+
+class GatedFold:
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.calls: list[list[int]] = []
+
+    def __call__(
+        self,
+        previous: str | None,
+        messages: Sequence[Message],
+        *,
+        deadline: float | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> tuple[str | None, list[int], str | None]:
+        self.calls.append([m.id for m in messages])
+        self.gate.wait(30)
+        return f"{previous or ''}[summary of {len(messages)}]", [m.id for m in messages], None
+
+
+def message(i: int, role: str, text: str) -> Message:
+    return Message(id=i, conversation_id="c", position=i - 1, role=role, content=text)
+
+
+def chat(turns: int) -> list[Message]:
+    out = []
+    for t in range(turns):
+        out.append(message(2 * t + 1, "user", f"question {t} " + "word " * 30))
+        out.append(message(2 * t + 2, "assistant", f"answer {t} " + "word " * 30))
+    return out
+
+
+def test_evicting_turn_does_not_wait_and_the_summary_arrives_later(
+    llama3_engine: Engine,
+) -> None:
+    fold = GatedFold()
+    background = BackgroundSummarizer(fold, timeout_s=30)
+    history = chat(12)
+    by_id = {m.id: m for m in history}
+    builder = ContextBuilder(
+        llama3_engine.codec(),
+        summarizer=background,
+        lookup=lambda ids: [by_id[i] for i in ids],
+    )
+    state = ContextState()
+    built = builder.build(
+        system_prompt="sys", history=history, new_message="next", budget=400, state=state
+    )
+    plan = built.plan
+    assert plan.evicted and not plan.summary_changed
+    assert plan.summary_stopped == RUNNING
+    evicted = set(plan.evicted_ids)
+    assert set(built.state.pending_ids) == evicted  # waiting, not lost
+    assert built.state.summary is None
+    # The next turn, before the summary is written: still no summary, nothing blocks.
+    window = [m for m in history if m.position >= built.state.window_start]
+    again = builder.build(
+        system_prompt="sys", history=window, new_message="more", budget=400, state=built.state
+    )
+    assert not again.plan.summary_changed and again.state.summary is None
+    fold.gate.set()
+    assert background.wait(30)
+    # The first turn after it is done takes it, without an eviction of its own.
+    taken = builder.build(
+        system_prompt="sys", history=window, new_message="and more", budget=400, state=again.state
+    )
+    assert taken.plan.summary_changed and not taken.plan.evicted
+    assert taken.state.summary == f"[summary of {len(evicted)}]"
+    assert set(taken.plan.summarized_ids) == evicted
+    assert taken.state.pending_ids == ()
+    assert fold.calls == [sorted(evicted)]  # one job, over exactly the evicted messages
+    assert "[summary of" in taken.messages[1]["content"]
+
+
+def test_llm_summaries_of_a_session_run_in_the_background(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    with (
+        Engine.load(tiny_llama3_path, n_ctx=1024, n_seq_max=2) as engine,
+        ChatSession.open(
+            db_url,
+            model=engine,
+            settings={"max_tokens": 2, "temperature": 0.0},
+            context={"budget": 200, "reserve": 8, "summarizer": "llm", "summary_max_tokens": 16},
+        ) as session,
+    ):
+        builder = session.builder()
+        assert isinstance(builder.summarizer, BackgroundSummarizer)
+        plans = []
+        for turn in range(14):
+            reply = session.send(f"turn {turn}: " + "words " * 15)
+            assert reply.plan is not None
+            plans.append(reply.plan)
+            summarizer = session.builder().summarizer
+            assert isinstance(summarizer, BackgroundSummarizer)
+            summarizer.wait(60)  # let the job finish before the next turn
+        evicting = [i for i, p in enumerate(plans) if p.evicted]
+        assert evicting and evicting[0] < len(plans) - 1, "no turn evicted early enough"
+        for i in evicting:
+            # An evicting turn never waited for the model's summary ...
+            assert plans[i].summary_stopped == RUNNING and not plans[i].summarized_ids
+            if i + 1 < len(plans):
+                # ... the next turn took it (the tiny model may have had nothing to add).
+                assert set(plans[i].evicted_ids) <= set(plans[i + 1].summarized_ids)
+        if evicting[-1] < len(plans) - 1:
+            assert session.store.context_state(session.conversation_id).pending_ids == ()
+        spare = engine.spare_seq
+        assert spare is not None and engine.kv_cells(spare) == 0

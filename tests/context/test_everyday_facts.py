@@ -1,0 +1,213 @@
+"""Everyday facts said in passing survive into the extractive summary; chit-chat adds nothing.
+
+The table is written by hand, phrased the many ways people type (lower case, contractions,
+typos such as "im", fragments without "I", second sentences, facts buried in a longer line);
+each fact string is the answer a later question would need. None of these phrasings is a
+template of the benchmark's probe set (bench/facts/build_probes.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from chatctx.context import ExtractiveSummarizer
+from chatctx.context._facts import sentences, statement, statements
+from chatctx.engine._codec import TiktokenCodec
+from chatctx.store import Message
+
+STATEMENTS = [
+    ("oh and I'm allergic to shellfish", "shellfish"),
+    ("I parked on level four", "level four"),
+    ("we're flying to lisbon on the 14th", "lisbon"),
+    ("my dog is called biscuit", "biscuit"),
+    ("my sister's name is maria", "maria"),
+    ("im allergic to cats lol", "cats"),
+    ("haha yeah. btw my husband's name is dave", "dave"),
+    ("Can't do dairy, it wrecks my stomach", "dairy"),
+    ("fyi ive got a severe nut allergy", "nut allergy"),
+    ("I'm vegetarian so no bacon for me", "vegetarian"),
+    ("the doctor says im diabetic now", "diabetic"),
+    ("i left my bike at the north entrance", "north entrance"),
+    ("car is in spot C14", "C14"),
+    ("our new puppy is named waffles", "waffles"),
+    ("got two cats, salt and pepper", "salt and pepper"),
+    ("my son jake just turned six", "jake"),
+    ("My mum lives in Leeds", "Leeds"),
+    ("i live in a tiny flat in glasgow", "glasgow"),
+    ("we moved to austin last year", "austin"),
+    ("I'm from a small town called yreka", "yreka"),
+    ("I work nights at the hospital", "hospital"),
+    ("im a software developer at a bank", "software developer"),
+    ("I teach third grade", "third grade"),
+    ("studying nursing at state", "nursing"),
+    ("our anniversary is may 5th", "may 5th"),
+    ("my birthday's on the 30th", "30th"),
+    ("I have a dentist appt thursday at 10", "thursday"),
+    ("job interview tomorrow at 9am, wish me luck", "9am"),
+    ("we're going to hawaii for christmas", "hawaii"),
+    ("planning to run a marathon in october", "marathon"),
+    ("I love sushi more than anything", "sushi"),
+    ("my favourite colour is teal", "teal"),
+    ("i really hate olives", "olives"),
+    ("I prefer window seats", "window seats"),
+    ("I drive an old volvo", "volvo"),
+    ("just got a new macbook", "macbook"),
+    ("my phone number is 555 0134", "555 0134"),
+    ("the wifi password at my place is sunflower9", "sunflower9"),
+    ("I need to cancel my gym membership", "gym membership"),
+    ("i wanna learn spanish this year", "spanish"),
+    ("my locker combo is 12 34 56", "12 34 56"),
+    ("I'm 34 btw", "34"),
+    ("been married 10 years this june", "married"),
+    ("we have three kids", "three kids"),
+    ("I take insulin twice a day", "insulin"),
+    ("my cousin olga is getting married in june", "olga"),
+    ("i play bass in a band", "bass"),
+    ("I'm lactose intolerant", "lactose"),
+    ("lol ok. also I'm a night shift nurse", "night shift nurse"),
+    ("Im going to paris next week!!", "paris"),
+    ("ugh my landlord is named gary and he never fixes anything", "gary"),
+    ("we're getting a golden retriever next month", "golden retriever"),
+    ("my flat is on the 9th floor", "9th floor"),
+    ("I keep my spare key under the blue pot", "blue pot"),
+    ("my husband is a firefighter", "firefighter"),
+    ("i grew up on a farm in iowa", "iowa"),
+    ("gonna visit my grandma in tucson on saturday", "tucson"),
+    ("never eat pork, religious reasons", "pork"),
+    ("I'm training for a half marathon", "half marathon"),
+    ("my team is the packers, born and raised", "packers"),
+    ("sesame makes me break out", "sesame"),
+    ("dairy doesn't agree with me", "dairy"),
+    ("my keys are in the glovebox", "glovebox"),
+    ("Rosa says hello. she's my aunt.", "rosa"),
+    ("my major? chemistry.", "chemistry"),
+    ("so stoked, cancun in two weeks", "cancun"),
+    ("note to self: dentist friday", "dentist"),
+    ("my go-to order is a flat white", "flat white"),
+    ("i'm more of a tea person", "tea person"),
+    ("I've lived here in fresno since 2015", "fresno"),
+    ("the baby's name is ava", "ava"),
+    ("Mr. Whiskers is our cat", "whiskers"),
+    ("allergic to bees", "bees"),
+    ("parking in lot D today", "lot D"),
+    ("we call him buddy", "buddy"),
+    ("I'm on the 3rd floor", "3rd floor"),
+    ("I'm in sales", "sales"),
+    ("i cannot stand mushrooms", "mushrooms"),
+    ("i'm deathly afraid of spiders", "spiders"),
+    ("I moved here from chicago", "chicago"),
+    ("my husband and I run a bakery", "bakery"),
+    ("I'm doing my masters in physics", "physics"),
+    ("i volunteer at the animal shelter", "animal shelter"),
+    ("check-in is at 3pm", "3pm"),
+    ("I'm on a keto diet", "keto"),
+    ("I quit smoking last year", "smoking"),
+    ("I speak french and german", "french"),
+    ("class at 8am every monday", "8am"),
+    ("he's a golden retriever named max", "max"),
+    ("my wife and I just bought a condo downtown", "condo"),
+    ("we're going to hawaii for christmas", "hawaii"),
+    ("honestly karaoke is my jam", "karaoke"),
+    ("me and cilantro don't get along", "cilantro"),
+    ("rent's due on the 1st", "1st"),
+    ("I'm renting a room near campus", "near campus"),
+    ("I commute from ogden every day", "ogden"),
+    ("I'm stationed in germany right now", "germany"),
+    ("I'm a huge packers fan", "packers"),
+    ("we root for the yankees", "yankees"),
+    ("mine's the red truck in row 3", "row 3"),
+    ("I\u2019m allergic to latex", "latex"),  # a typographic apostrophe
+    (
+        "yeah that movie was so long and honestly the ending made no sense to me at all but "
+        "whatever i moved to denver in march so i missed the premiere anyway",
+        "denver",
+    ),
+]
+
+CHITCHAT = [
+    "lol ok",
+    "haha yes",
+    "hi!",
+    "ok cool",
+    "yeah totally",
+    "hahaha",
+    "im tired",
+    "thats so funny",
+    "no way",
+    "what about you?",
+    "good morning!",
+    "brb",
+    "same",
+    "i know right",
+    "that's crazy lol",
+    "hmm idk",
+    "how was your day?",
+    "nice",
+    "I'm going to bed",
+    "i like that",
+    "I'm a bit tired today",
+    "what am I allergic to again?",
+    "remind me where I parked",
+    "who cares lol",
+    "thats the best",
+    "yeah i guess",
+    "i mean sure",
+    "omg same",
+]
+
+
+def chat(*pairs: tuple[str, str], start: int = 0) -> list[Message]:
+    return [
+        Message(id=start + i + 1, conversation_id="c", position=start + i, role=r, content=c)
+        for i, (r, c) in enumerate(pairs)
+    ]
+
+
+@pytest.mark.parametrize(("said", "fact"), STATEMENTS)
+def test_an_everyday_fact_survives_into_the_summary(
+    llama3_codec: TiktokenCodec, said: str, fact: str
+) -> None:
+    # Said in passing between chit-chat turns, then evicted together with them.
+    evicted = chat(
+        ("user", "hey how's it going"),
+        ("assistant", "Pretty good! Busy week. You?"),
+        ("user", said),
+        ("assistant", "Oh nice, good to know."),
+        ("user", "haha yeah"),
+    )
+    summary = ExtractiveSummarizer(llama3_codec.count, max_tokens=128)(None, evicted)
+    assert fact.casefold() in summary.casefold()
+    assert "how's it going" not in summary and "haha yeah" not in summary
+    assert llama3_codec.count(summary) <= 128
+
+
+@pytest.mark.parametrize("said", CHITCHAT)
+def test_chit_chat_adds_nothing_and_is_not_an_error(llama3_codec: TiktokenCodec, said: str) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=128)
+    evicted = chat(("user", said), ("assistant", "Haha, sure."))
+    assert statements(said) == []
+    assert summarize(None, evicted) == ""
+    previous = "User: I'm allergic to shellfish"
+    assert summarize(previous, evicted) == previous
+
+
+def test_statements_are_cut_to_the_clause_and_keep_their_words() -> None:
+    found = statement("oh and btw I'm allergic to shellfish lol")
+    assert found is not None and found.text == "I'm allergic to shellfish"
+    assert "health" in found.kinds
+    # A run-on line is cut where the speaker starts a new clause.
+    parts = sentences(
+        "ok so that was the worst game i have ever watched in my life honestly the refs were "
+        "blind we just moved to maple drive last month"
+    )
+    assert parts[-1].startswith("we just moved to maple drive")
+
+
+def test_stronger_facts_outlive_weaker_ones_when_compacting(llama3_codec: TiktokenCodec) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=48)
+    summary = summarize(None, chat(("user", "I'm allergic to penicillin")))
+    for i, food in enumerate(("tacos", "ramen", "curry", "waffles", "pizza", "nachos")):
+        summary = summarize(summary, chat(("user", f"i really like {food}"), start=10 + i))
+        assert llama3_codec.count(summary) <= 48
+    # A liking scores below an allergy: the likings went, oldest first, the allergy stayed.
+    assert "penicillin" in summary and "nachos" in summary and "tacos" not in summary

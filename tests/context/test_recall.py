@@ -1,0 +1,214 @@
+"""Recall: evicted messages that match the new one, placed right before it.
+
+Oracles: hand-built conversations whose best match is known, the previous build's own tokens
+(nothing before the recall section may change), and prompts rendered independently with the
+codec from the expected messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from chatctx.config import ContextSettings
+from chatctx.context import RECALL_HEADER, BuildResult, ContextBuilder, ContextState
+from chatctx.engine._codec import TiktokenCodec
+from chatctx.store import Message, Store
+
+SYSTEM = "You are a friendly assistant."
+FILLER = [
+    "The weather was lovely today, we walked by the river for an hour.",
+    "I watched a documentary about volcanoes last night, quite fascinating.",
+    "Work has been busy, lots of meetings about the quarterly plan.",
+    "We are thinking about repainting the kitchen in a light green.",
+    "My brother visited and we played board games until midnight.",
+    "The bakery on the corner has a new sourdough that is really good.",
+]
+
+
+@pytest.fixture
+def store() -> Iterator[Store]:
+    with Store("sqlite://") as store:
+        store.create_conversation("c")
+        yield store
+
+
+def search(store: Store):  # the callable ChatSession passes to its builder
+    return lambda query, before, limit: store.search_messages(
+        "c", query, before_position=before, limit=limit, replies=True
+    )
+
+
+def builder(codec: TiktokenCodec, store: Store, **settings: object) -> ContextBuilder:
+    config = ContextSettings(summarizer="none", **settings)  # type: ignore[arg-type]
+    return ContextBuilder(codec, config, recall=search(store))
+
+
+def add_turn(store: Store, user: str, reply: str) -> list[Message]:
+    return store.add_messages(
+        "c", [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    )
+
+
+def render(codec: TiktokenCodec, messages: Sequence[dict[str, str]]) -> list[int]:
+    return codec.prompt_tokens(list(messages))
+
+
+def test_best_matching_evicted_message_is_recalled_first(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    add_turn(store, FILLER[0], "That sounds nice.")
+    fact = add_turn(store, "Oh and I'm allergic to shellfish, by the way.", "Noted, no shellfish.")
+    add_turn(store, FILLER[1], "Volcanoes are amazing.")
+    add_turn(store, "My sister is allergic to cats, poor thing.", "That must be hard.")
+    kept = add_turn(store, FILLER[2], "Sounds tiring.")
+    state = ContextState(window_start=kept[0].position)  # everything before was evicted
+    built = builder(llama3_codec, store).build(
+        system_prompt=SYSTEM,
+        history=store.messages("c", from_position=state.window_start),
+        new_message="Remind me, which shellfish thing was I allergic to again?",
+        budget=2000,
+        state=state,
+    )
+    plan = built.plan
+    # Hand-computed: the shellfish message shares "shellfish" and "allergic"; the sister's
+    # shares only "allergic". The reply after the best match comes with it.
+    assert plan.recalled_ids[:2] == [fact[0].id, fact[1].id]
+    assert plan.recall_scores[0] > plan.recall_scores[-1] > 0
+    assert not set(plan.recalled_ids) & set(plan.kept_ids)
+    section = built.messages[-2]
+    assert section["role"] == "system" and section["content"].startswith(RECALL_HEADER)
+    assert "- user: Oh and I'm allergic to shellfish, by the way." in section["content"]
+    assert "- assistant: Noted, no shellfish." in section["content"]
+    # The prompt is exactly: system, kept history, recall, new message (rendered apart).
+    expected = [
+        {"role": "system", "content": SYSTEM},
+        *[m.to_openai() for m in kept],
+        section,
+        built.messages[-1],
+    ]
+    assert built.tokens == render(llama3_codec, expected)
+    sections = plan.sections
+    assert sum(v for k, v in sections.items() if k != "reserve") == plan.prompt_tokens
+    without = render(llama3_codec, [m for m in expected if m is not section])
+    assert sections["recall"] == len(built.tokens) - len(without)
+    assert 0 < sections["recall"] <= ContextSettings().recall_budget
+    assert plan.history_start == sections["system"]  # recall comes after the history
+
+
+def test_nothing_is_recalled_without_evicted_history_or_when_off(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    add_turn(store, "I'm allergic to shellfish.", "Noted.")
+    question = "What am I allergic to?"
+    history = store.messages("c")
+    in_window = builder(llama3_codec, store).build(
+        system_prompt=SYSTEM, history=history, new_message=question, budget=2000
+    )
+    assert in_window.plan.recalled_ids == []  # already in the context: never recalled
+    evicted = ContextState(window_start=2)
+    off = builder(llama3_codec, store, recall=False).build(
+        system_prompt=SYSTEM, history=[], new_message=question, budget=2000, state=evicted
+    )
+    statement = builder(llama3_codec, store).build(
+        system_prompt=SYSTEM,
+        history=[],
+        new_message="I ate shellfish and felt fine",  # not a question: not worth the tokens
+        budget=2000,
+        state=evicted,
+    )
+    always = builder(llama3_codec, store, recall_trigger="always").build(
+        system_prompt=SYSTEM,
+        history=[],
+        new_message="I ate shellfish and felt fine",
+        budget=2000,
+        state=evicted,
+    )
+    for built in (off, statement):
+        assert built.plan.recalled_ids == [] and built.plan.sections["recall"] == 0
+        assert len(built.messages) == 2
+    assert always.plan.recalled_ids == [history[0].id, history[1].id]
+
+
+def test_recall_fits_its_budget_and_the_room_left(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    long_fact = "I'm allergic to shellfish. " + " ".join(FILLER) + " That is all about allergies."
+    add_turn(store, long_fact, "Noted, no shellfish for you. " + " ".join(FILLER))
+    state = ContextState(window_start=2)
+    question = "Which food am I allergic to?"
+    roomy = builder(llama3_codec, store, recall_budget=40).build(
+        system_prompt=SYSTEM, history=[], new_message=question, budget=2000, state=state
+    )
+    # The whole message does not fit 40 tokens: its matching sentences are sent instead.
+    assert 0 < roomy.plan.sections["recall"] <= 40
+    assert "allergic to shellfish" in roomy.messages[-2]["content"]
+    assert "volcanoes" not in roomy.messages[-2]["content"]
+    alone = len(render(llama3_codec, [{"role": "system", "content": SYSTEM}, roomy.messages[-1]]))
+    tight = builder(llama3_codec, store, recall_budget=40).build(
+        system_prompt=SYSTEM, history=[], new_message=question, budget=alone + 5, state=state
+    )
+    # Recall never pushes the prompt over the budget; it gives way and says so.
+    assert tight.plan.prompt_tokens == alone and tight.plan.recalled_ids == []
+    assert tight.plan.yielded == ["recall"]
+
+
+def test_failing_search_never_fails_the_turn(llama3_codec: TiktokenCodec) -> None:
+    def broken(query: str, before: int, limit: int) -> list[tuple[Message, float]]:
+        raise RuntimeError("index is gone")
+
+    built = ContextBuilder(llama3_codec, ContextSettings(summarizer="none"), recall=broken).build(
+        system_prompt=SYSTEM,
+        history=[],
+        new_message="what was it?",
+        budget=500,
+        state=ContextState(window_start=4),
+    )
+    assert built.plan.recall_error == "RuntimeError: index is gone"
+    assert built.plan.recalled_ids == [] and len(built.messages) == 2
+
+
+def simulate(codec: TiktokenCodec, store: Store, turns: int, budget: int) -> Iterator[BuildResult]:
+    """A long chat through builder and store, as ChatSession drives them."""
+    b = builder(codec, store)
+    state = ContextState()
+    for i in range(turns):
+        if i % 5 == 4:  # every fifth message asks back about an earlier one
+            user = f"Wait, what did I say about the {FILLER[(i - 4) % 6].split()[3]} again?"
+        else:
+            user = f"{FILLER[i % 6]} Also note item {i}: code {1000 + i}."
+        built = b.build(
+            system_prompt=SYSTEM,
+            history=store.messages("c", from_position=state.window_start),
+            new_message=user,
+            budget=budget,
+            state=state,
+        )
+        yield built
+        state = built.state
+        add_turn(store, user, f"Understood, item {i} noted.")
+
+
+def test_recall_never_changes_tokens_before_its_section(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    builds = list(simulate(llama3_codec, store, 60, budget=400))
+    recalled = [b for b in builds if b.plan.recalled_ids]
+    assert len(recalled) >= 5 and any(b.plan.evicted for b in builds)
+    for before, after in itertools.pairwise(builds):
+        p = after.plan
+        assert p.prompt_tokens <= 400
+        history_end = p.sections["system"] + p.sections["summary"] + p.sections["history"]
+        # Oracle 1: this prompt without its recall section, rendered apart.
+        plain = [m for m in after.messages if not m["content"].startswith(RECALL_HEADER)]
+        assert after.tokens[:history_end] == render(llama3_codec, plain)[:history_end]
+        if not p.evicted:
+            # Oracle 2: the previous build's tokens. Up to where its recall section began,
+            # the prompt is unchanged: the cached prefix survives a recall.
+            b = before.plan
+            prev_end = b.sections["system"] + b.sections["summary"] + b.sections["history"]
+            assert after.tokens[:prev_end] == before.tokens[:prev_end]
+        positions = {m.id: m.position for m in store.messages("c")}
+        assert all(positions[i] < p.window_start for i in p.recalled_ids)
