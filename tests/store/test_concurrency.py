@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from chatctx.store import Store, _db, create_db_engine, current_revision, head_revision
+from chatctx.store import Store, _connect, create_db_engine, current_revision, head_revision
 
 WORKERS = 8
 TURN = {
@@ -174,7 +174,7 @@ def test_writes_wait_out_a_lock_held_past_the_busy_timeout(
 ) -> None:
     path = tmp_path / "chat.db"
     # A short busy timeout, so the lock below outlasts it and only the retries can succeed.
-    monkeypatch.setattr(_db, "BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(_connect, "BUSY_TIMEOUT_MS", 50)
     store = Store(f"sqlite:///{path}")
     cid = store.create_conversation("c").id
     holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
