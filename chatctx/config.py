@@ -58,7 +58,9 @@ class ContextSettings(_Model):
     summarizer: Literal["extractive", "llm", "none"] = Field(
         "extractive", description="What folds evicted turns into the running summary."
     )
-    summary_max_tokens: int = Field(192, ge=16, description="Longest running summary.")
+    summary_max_tokens: int = Field(
+        512, ge=16, description="Longest running summary (and at most half the budget)."
+    )
     summary_timeout_s: float = Field(60.0, gt=0, description="Give up summarizing after this.")
     truncate_oversized: bool = Field(
         False,
@@ -71,12 +73,12 @@ class ContextSettings(_Model):
         "and send the best matches right before it, after the cached history.",
     )
     recall_budget: int = Field(
-        96,
+        160,
         ge=0,
         description="Most tokens the recalled messages may take (0 = no recall); recall only "
         "uses room the prompt leaves under the budget and never causes an eviction.",
     )
-    recall_k: int = Field(3, ge=1, le=50, description="Most evicted messages one turn may recall.")
+    recall_k: int = Field(5, ge=1, le=50, description="Most evicted messages one turn may recall.")
     recall_trigger: Literal["question", "always"] = Field(
         "question",
         description="question: recall only for a message that may ask about the past (a "

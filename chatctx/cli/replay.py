@@ -252,7 +252,7 @@ def _write(
 @click.option(
     "--recall-budget",
     type=int,
-    default=96,
+    default=160,
     show_default=True,
     help="Most tokens of recalled messages per turn.",
 )

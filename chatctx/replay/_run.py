@@ -17,7 +17,7 @@ from pydantic import Field
 
 from chatctx._resource import Closeable
 from chatctx.config import ContextSettings, GenerationSettings, _Model
-from chatctx.context import ContextBuilder, ContextPlan, ContextState, summarizer_for
+from chatctx.context import ContextBuilder, ContextPlan, ContextState, summarizer_for, summary_limit
 from chatctx.engine import Engine, plan_reuse
 from chatctx.engine._codec import PromptCodec, open_codec
 from chatctx.errors import ChatctxError, ConfigError, ModelError
@@ -44,8 +44,8 @@ class ReplayConfig(_Model):
     system: str | None = Field(None, description="System prompt replacing the logged one.")
     max_tokens: int = Field(128, ge=1, description="Longest regenerated reply.")
     recall: bool = Field(True, description="Recall evicted messages matching the new one.")
-    recall_budget: int = Field(96, ge=0, description="Most tokens of recalled messages.")
-    recall_k: int = Field(3, ge=1, le=50, description="Most messages recalled per turn.")
+    recall_budget: int = Field(160, ge=0, description="Most tokens of recalled messages.")
+    recall_k: int = Field(5, ge=1, le=50, description="Most messages recalled per turn.")
     recall_trigger: Literal["question", "always"] = Field(
         "question", description="Recall for questions only, or for every message."
     )
@@ -166,7 +166,8 @@ class Replayer(Closeable):
         elif self._engine is None:
             side = 0
             if config.summarizer == "llm":
-                side = min(1024, max(128, (config.budget + config.reserve_tokens) // 3)) + 192
+                side = min(1024, max(128, (config.budget + config.reserve_tokens) // 3))
+                side += summary_limit(ContextSettings().summary_max_tokens, config.budget)
             self._engine = Engine.load(
                 model, n_ctx=config.budget + config.reserve_tokens + side, n_seq_max=2
             )
