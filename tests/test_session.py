@@ -6,23 +6,7 @@ import pytest
 
 from chatctx import ChatSession, ContextBudgetError, Engine, GenerationSettings, Store
 from chatctx.errors import ConfigError
-
-
-def counted(engine: Engine) -> int:
-    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
-    n_p_eval, n_eval = engine.context.perf_counts()
-    return n_p_eval + n_eval
-
-
-def prime_counters(engine: Engine) -> None:
-    """Make both counters non-zero (llama.cpp reads each as at least 1): exact differences."""
-    ctx, bos = engine.context, engine.model.bos
-    engine.clear()
-    ctx.decode(0, [bos, bos], 0, want_last_logits=False)
-    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
-    ctx.decode(0, [bos], 2, want_last_logits=False)
-    ctx.perf_counts()  # one token counts in n_eval
-    engine.clear()
+from tests.llama_counters import counted, prime_counters
 
 
 @pytest.mark.slow

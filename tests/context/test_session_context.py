@@ -14,6 +14,7 @@ from chatctx import ChatSession, ContextBudgetError, Engine, Store
 from chatctx.cli import cli
 from chatctx.context import SUMMARY_HEADER
 from chatctx.store import Message
+from tests.llama_counters import counted, prime_counters
 
 SMALL = {"max_tokens": 8, "temperature": 0.0}
 
@@ -22,23 +23,6 @@ SMALL = {"max_tokens": 8, "temperature": 0.0}
 def engine(tiny_llama3_path: Path):
     with Engine.load(tiny_llama3_path, n_ctx=512, n_threads=1) as engine:
         yield engine
-
-
-def counted(engine: Engine) -> int:
-    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
-    n_p_eval, n_eval = engine.context.perf_counts()
-    return n_p_eval + n_eval
-
-
-def prime_counters(engine: Engine) -> None:
-    """Make both counters non-zero (llama.cpp reads each as at least 1): exact differences."""
-    ctx, bos = engine.context, engine.model.bos
-    engine.clear()
-    ctx.decode(0, [bos, bos], 0, want_last_logits=False)
-    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
-    ctx.decode(0, [bos], 2, want_last_logits=False)
-    ctx.perf_counts()  # one token counts in n_eval
-    engine.clear()
 
 
 def chat_many(chat: ChatSession, n: int, start: int = 0) -> list:

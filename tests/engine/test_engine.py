@@ -7,6 +7,7 @@ from chatctx.config import GenerationSettings
 from chatctx.engine import Engine, GenerationResult
 from chatctx.errors import ConfigError, KVCacheError, ModelError
 from chatctx.testing import write_tiny_llama3
+from tests.llama_counters import counted, prime_counters
 
 GREEDY = GenerationSettings(max_tokens=8, temperature=0.0)
 
@@ -17,23 +18,6 @@ def assert_mirror_matches_kv(engine: Engine, seq_id: int = 0) -> None:
     if cached:
         assert engine.context.seq_pos_min(seq_id) == 0
         assert engine.context.seq_pos_max(seq_id) == len(cached) - 1
-
-
-def counted(engine: Engine) -> int:
-    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
-    n_p_eval, n_eval = engine.context.perf_counts()
-    return n_p_eval + n_eval
-
-
-def prime_counters(engine: Engine) -> None:
-    """Make both counters non-zero (llama.cpp reads each as at least 1): exact differences."""
-    ctx, bos = engine.context, engine.model.bos
-    engine.clear()
-    ctx.decode(0, [bos, bos], 0, want_last_logits=False)
-    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
-    ctx.decode(0, [bos], 2, want_last_logits=False)
-    ctx.perf_counts()  # one token counts in n_eval
-    engine.clear()
 
 
 def last_logits(engine: Engine) -> np.ndarray:

@@ -23,6 +23,7 @@ from chatctx import ChatSession, Engine, Store
 from chatctx.context import BackgroundSummarizer
 from chatctx.synthetic import support_conversation
 from chatctx.testing import write_tiny_llama3
+from tests.llama_counters import counted, prime_counters
 
 # Logit tolerance for "the same cache content", on the one-layer model (logits up to about 4).
 # Keys are stored in F16 (relative precision 2**-11); every shift re-rotates stored keys and
@@ -62,27 +63,6 @@ def recompute(oracle: Engine, prompt: list[int] | tuple[int, ...]) -> np.ndarray
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max())
-
-
-def counted(engine: Engine) -> int:
-    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
-    n_p_eval, n_eval = engine.context.perf_counts()
-    return n_p_eval + n_eval
-
-
-def prime_counters(engine: Engine, seq_id: int = 0) -> None:
-    """Make both of llama.cpp's counters non-zero (each reads as at least 1), so later
-    differences are exact; leaves ``seq_id`` empty."""
-    engine.clear(seq_id)
-    ctx = engine.context
-    bos = engine.model.bos
-    ctx.decode(seq_id, [bos, bos], 0, want_last_logits=False)
-    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
-    ctx.decode(seq_id, [bos], 2, want_last_logits=False)
-    ctx.perf_counts()  # one token counts in n_eval
-    engine.clear(seq_id)
-    n_p_eval, n_eval = ctx.perf_counts()
-    assert n_p_eval >= 2 and n_eval >= 1
 
 
 def assert_cache_holds(

@@ -8,22 +8,7 @@ from click.testing import CliRunner
 from chatctx import ChatSession, Engine, Store, Turn
 from chatctx.cli import cli
 from chatctx.monitor import percentile, prometheus_text, totals
-
-
-def counted(engine: Engine) -> int:
-    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
-    n_p_eval, n_eval = engine.context.perf_counts()
-    return n_p_eval + n_eval
-
-
-def prime_counters(engine: Engine) -> None:
-    """Make both counters non-zero (llama.cpp reads each as at least 1): exact differences."""
-    ctx, bos = engine.context, engine.model.bos
-    ctx.decode(0, [bos, bos], 0, want_last_logits=False)
-    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
-    ctx.decode(0, [bos], 2, want_last_logits=False)
-    ctx.perf_counts()  # one token counts in n_eval
-    engine.clear()
+from tests.llama_counters import counted, prime_counters
 
 
 def decoded_replies(turn: Turn) -> int:

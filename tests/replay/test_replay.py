@@ -15,6 +15,7 @@ from chatctx.errors import ImportFormatError
 from chatctx.replay import ReplayConfig, Replayer, TurnReport, parse_logged, read_logs
 from chatctx.store import Store
 from chatctx.synthetic import support_conversation
+from tests.llama_counters import counted, prime_counters
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "examples" / "data" / "support_logs.jsonl"
@@ -71,22 +72,6 @@ def test_invalid_utf8_and_gzip(tmp_path: Path) -> None:
     with gzip.open(packed, "wb") as f:
         f.write(good + b"\n")
     assert [c.id for c in read_logs([str(packed)])] == ["synthetic-3"]
-
-
-def counted(engine: Engine) -> int:
-    """Tokens llama.cpp itself has evaluated in this context (its perf counters)."""
-    n_p_eval, n_eval = engine.context.perf_counts()
-    return n_p_eval + n_eval
-
-
-def prime_counters(engine: Engine) -> None:
-    """Make both counters non-zero (llama.cpp reads each as at least 1): exact differences."""
-    ctx, bos = engine.context, engine.model.bos
-    ctx.decode(0, [bos, bos], 0, want_last_logits=False)
-    ctx.perf_counts()  # synchronizes: two tokens count in n_p_eval
-    ctx.decode(0, [bos], 2, want_last_logits=False)
-    ctx.perf_counts()  # one token counts in n_eval
-    engine.clear()
 
 
 def test_teacher_forced_and_dry_runs_count_what_llama_cpp_evaluated(
