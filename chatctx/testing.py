@@ -51,8 +51,10 @@ def llama3_vocab_path() -> Path:
                 "download",
                 "--quiet",
                 "--no-deps",
+                # Only this package as an sdist: ":all:" would also build its build
+                # dependencies (cmake, ninja) from source on a machine with no pip cache.
                 "--no-binary",
-                ":all:",
+                "llama-cpp-python",
                 LLAMA_CPP_SDIST,
                 "-d",
                 tmp,
