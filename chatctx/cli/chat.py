@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from rich.markup import escape
 
 from chatctx.cli._common import (
     build_engine_options,
@@ -27,10 +28,10 @@ HELP = """commands:
 
 def _history(session: ChatSession) -> None:
     if session.system_prompt:
-        console.print(f"[dim]system:[/dim] {session.system_prompt}")
+        console.print(f"[dim]system:[/dim] {escape(session.system_prompt)}")
     for m in session.history():
         flag = "" if m.status == "complete" else f" ({m.status})"
-        console.print(f"[bold]{m.role}{flag}:[/bold] {m.content}")
+        console.print(f"[bold]{m.role}{flag}:[/bold] {escape(m.content)}")
 
 
 @click.command()
@@ -121,7 +122,7 @@ def _repl(session: ChatSession, interrupts: Interrupts) -> None:
         try:
             stream = session.stream(text)
         except ContextBudgetError as exc:
-            console.print(f"[red]{exc}[/red]")
+            console.print(f"[red]{escape(str(exc))}[/red]")
             continue
         try:
             for chunk in stream:
