@@ -95,9 +95,14 @@ def main(argv: list[str]) -> int:
     python = argv[0]
     requirement = pinned_requirement()
     tag = subprocess.run(
-        [python, "-c", "import sys, sysconfig; print(sys.implementation.cache_tag, "
-         "sysconfig.get_platform())"],
-        check=True, capture_output=True, text=True,
+        [
+            python,
+            "-c",
+            "import sys, sysconfig; print(sys.implementation.cache_tag, sysconfig.get_platform())",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     key = hashlib.sha256(json.dumps([requirement, args, tag]).encode()).hexdigest()[:16]
     cache_root = Path(
@@ -107,26 +112,53 @@ def main(argv: list[str]) -> int:
     folder = cache_root / key
     wheels = sorted(folder.glob("llama_cpp_python-*.whl"))
     if not wheels:
-        print(f"building {requirement} from source ({mode}: {' '.join(args) or 'defaults'});"
-              " about 5 minutes on 2 cores", flush=True)
+        print(
+            f"building {requirement} from source ({mode}: {' '.join(args) or 'defaults'});"
+            " about 5 minutes on 2 cores",
+            flush=True,
+        )
         folder.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, CMAKE_ARGS=" ".join(args), PIP_NO_CACHE_DIR="1")
         subprocess.run(
-            [python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-cache-dir",
-             "--no-binary", "llama-cpp-python", requirement, "-w", str(folder)],
-            check=True, env=env,
+            [
+                python,
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "--no-deps",
+                "--no-cache-dir",
+                "--no-binary",
+                "llama-cpp-python",
+                requirement,
+                "-w",
+                str(folder),
+            ],
+            check=True,
+            env=env,
         )
         wheels = sorted(folder.glob("llama_cpp_python-*.whl"))
         (folder / "build.json").write_text(
-            json.dumps({"requirement": requirement, "mode": mode, "cmake_args": args,
-                        "python": tag}, indent=2) + "\n"
+            json.dumps(
+                {"requirement": requirement, "mode": mode, "cmake_args": args, "python": tag},
+                indent=2,
+            )
+            + "\n"
         )
     else:
         print(f"llama-cpp-python: using the wheel built with these flags in {folder}")
     # Installed without dependencies: the project's own install brings them from pyproject.
     subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
-         str(wheels[-1])],
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--force-reinstall",
+            str(wheels[-1]),
+        ],
         check=True,
     )
     return 0
