@@ -31,6 +31,7 @@ from chatctx.context import (
     LLMSummarizer,
     Summarizer,
     summarizer_for,
+    summary_limit,
 )
 from chatctx.engine import Engine, GenerationResult, Timings, Usage
 from chatctx.errors import ClosedError, ConfigError
@@ -281,7 +282,9 @@ class ChatSession(Closeable):
             return 0
         if not self.engine.config.kv_unified:
             return 0  # split streams: the spare sequence has cells of its own
-        return self._summary_input_tokens() + settings.summary_max_tokens
+        # The summary written is at most summary_limit(...) tokens (what the summarizer gets).
+        written = summary_limit(settings.summary_max_tokens, settings.budget or self.engine.n_ctx)
+        return self._summary_input_tokens() + written
 
     def plan(self, new_message: str) -> BuildResult:
         """Build the context for ``new_message`` without sending or storing anything.

@@ -164,13 +164,17 @@ class Replayer(Closeable):
             if self.codec is None:
                 self.codec = engine.codec() if engine is not None else self._dry_codec(model)
         elif self._engine is None:
-            side = 0
+            n_ctx = config.budget + config.reserve_tokens
             if config.summarizer == "llm":
-                side = min(1024, max(128, (config.budget + config.reserve_tokens) // 3))
-                side += summary_limit(ContextSettings().summary_max_tokens, config.budget)
-            self._engine = Engine.load(
-                model, n_ctx=config.budget + config.reserve_tokens + side, n_seq_max=2
-            )
+                # The summary request shares the cells: make room for its input chunk (a
+                # quarter of n_ctx, 128..1024, as ChatSession folds) and its output.
+                written = summary_limit(ContextSettings().summary_max_tokens, config.budget)
+                while (
+                    n_ctx - config.reserve_tokens - written - max(128, min(1024, n_ctx // 4))
+                    < config.budget
+                ):
+                    n_ctx += 64
+            self._engine = Engine.load(model, n_ctx=n_ctx, n_seq_max=2)
             self._owns_engine = True
 
     @staticmethod
