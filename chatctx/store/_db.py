@@ -455,10 +455,38 @@ class Store(Closeable):
     # turns ---------------------------------------------------------------------------------
 
     @_retry_busy
-    def add_turn(self, conversation_id: str, **figures: Any) -> Turn:
-        """Record one turn's token and timing figures."""
+    def add_turn(
+        self,
+        conversation_id: str,
+        *,
+        slot: int | None = None,
+        swap_in: str | None = None,
+        swap_in_ms: float | None = None,
+        swap_in_bytes: int | None = None,
+        reprefill_reason: str | None = None,
+        batch_max: int | None = None,
+        **figures: Any,
+    ) -> Turn:
+        """Record one turn's token and timing figures (``figures``: the ``Turn`` fields).
+
+        The slot pool's figures: ``slot`` the turn ran in; ``swap_in`` ``"ram"`` or
+        ``"disk"`` when its KV state was restored from a swap (with ``swap_in_ms`` and
+        ``swap_in_bytes``); ``reprefill_reason`` when a swapped state could not be used and
+        the prompt was prefilled again; ``batch_max``, the most sequences decoded together
+        in one step of the turn.
+        """
+        if swap_in not in (None, "ram", "disk"):
+            raise StoreError(f"swap_in must be 'ram', 'disk' or None, not {swap_in!r}")
+        pool = {
+            "slot": slot,
+            "swap_in": swap_in,
+            "swap_in_ms": swap_in_ms,
+            "swap_in_bytes": swap_in_bytes,
+            "reprefill_reason": reprefill_reason,
+            "batch_max": batch_max,
+        }
         with self._session(write=True) as session:
-            row = TurnRow(conversation_id=conversation_id, **figures)
+            row = TurnRow(conversation_id=conversation_id, **pool, **figures)
             session.add(row)
             session.flush()
             return _turn(row)

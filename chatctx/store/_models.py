@@ -163,6 +163,13 @@ class TurnRow(Base):
     rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
     gpu_used_bytes: Mapped[int | None] = mapped_column(BigInteger)
     gpu_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # the slot pool: where the turn ran, how its KV state came back, how wide decoding was
+    slot: Mapped[int | None] = mapped_column(Integer)
+    swap_in: Mapped[str | None] = mapped_column(String(10))
+    swap_in_ms: Mapped[float | None] = mapped_column(Float)
+    swap_in_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    reprefill_reason: Mapped[str | None] = mapped_column(Text)
+    batch_max: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

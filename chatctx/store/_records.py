@@ -90,6 +90,12 @@ class Turn:
     rss_bytes: int | None = None
     gpu_used_bytes: int | None = None
     gpu_free_bytes: int | None = None
+    slot: int | None = None  # the pool slot the turn ran in
+    swap_in: str | None = None  # "ram" | "disk": the KV state was restored from a swap
+    swap_in_ms: float | None = None
+    swap_in_bytes: int | None = None
+    reprefill_reason: str | None = None  # why a swapped state was refused (prefilled again)
+    batch_max: int | None = None  # most sequences decoded together in one step
 
 
 @dataclass(frozen=True, slots=True)
