@@ -1,16 +1,36 @@
-"""The cache monitor: per-turn KV records, aggregates and a Prometheus exposition."""
+"""The cache monitor: per-turn KV records, aggregates, the slot table and a Prometheus text."""
 
 from chatctx.monitor._device import MemorySnapshot, gpu_memory, memory_snapshot, rss_bytes
 from chatctx.monitor._prometheus import prometheus_text
-from chatctx.monitor._stats import Totals, percentile, totals
+from chatctx.monitor._slots import (
+    SLOT_TABLE_VERSION,
+    ReservedRow,
+    SlotRow,
+    SlotTable,
+    SwappedRow,
+    default_slots_path,
+    read_slot_table,
+    write_slot_table,
+)
+from chatctx.monitor._stats import SwapTotals, Totals, percentile, swap_totals, totals
 
 __all__ = [
+    "SLOT_TABLE_VERSION",
     "MemorySnapshot",
+    "ReservedRow",
+    "SlotRow",
+    "SlotTable",
+    "SwapTotals",
+    "SwappedRow",
     "Totals",
+    "default_slots_path",
     "gpu_memory",
     "memory_snapshot",
     "percentile",
     "prometheus_text",
+    "read_slot_table",
     "rss_bytes",
+    "swap_totals",
     "totals",
+    "write_slot_table",
 ]

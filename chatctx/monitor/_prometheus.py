@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from chatctx.monitor._device import MemorySnapshot
-from chatctx.monitor._stats import totals
+from chatctx.monitor._slots import SWAP_PLACES, SlotTable
+from chatctx.monitor._stats import swap_totals, totals
 from chatctx.store import Turn
 
 
@@ -46,19 +47,128 @@ _MEMORY_GAUGES = (
 )
 
 
+# Engine counters of the slot table: (metric, counter, scale, help). "_ms" counters are
+# exposed in seconds.
+_POOL_COUNTERS = (
+    ("chatctx_swap_out_total", "swap_out", 1, "KV states swapped out of the cache."),
+    ("chatctx_swap_out_bytes_total", "swap_out_bytes", 1, "Bytes of KV state swapped out."),
+    ("chatctx_swap_out_seconds_total", "swap_out_ms", 1e-3, "Time spent swapping out."),
+    ("chatctx_swap_in_bytes_total", "swap_in_bytes", 1, "Bytes of KV state swapped in."),
+    ("chatctx_swap_in_seconds_total", "swap_in_ms", 1e-3, "Time spent swapping in."),
+    (
+        "chatctx_reprefill_total",
+        "reprefill",
+        1,
+        "Swapped KV states refused (prompt prefilled again instead).",
+    ),
+    ("chatctx_swap_spill_to_disk_total", "spill_to_disk", 1, "Swapped states moved to disk."),
+    ("chatctx_swap_disk_dropped_total", "disk_dropped", 1, "Swapped states dropped from disk."),
+    ("chatctx_batch_steps_total", "batch_steps", 1, "llama_decode steps of the pool."),
+    ("chatctx_batch_tokens_total", "batch_tokens", 1, "Tokens decoded in those steps."),
+    (
+        "chatctx_batch_sequences_total",
+        "batch_sequences",
+        1,
+        "Sequences decoded, summed over steps (divide by steps for the mean batch width).",
+    ),
+)
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+def _slot_lines(table: SlotTable) -> list[str]:
+    """Gauges and counters of the engine's slot pool, from its slot table file."""
+    counters = table.counters
+    lines = [
+        "# HELP chatctx_pool_slots Slots in the pool.",
+        "# TYPE chatctx_pool_slots gauge",
+        f"chatctx_pool_slots {len(table.slots)}",
+        "# HELP chatctx_pool_slots_leased Slots leased to a conversation.",
+        "# TYPE chatctx_pool_slots_leased gauge",
+        f"chatctx_pool_slots_leased {table.leased}",
+        "# HELP chatctx_pool_slot_cells KV cells a slot's sequence holds.",
+        "# TYPE chatctx_pool_slot_cells gauge",
+    ]
+    lines += [
+        f"chatctx_pool_slot_cells{_labels(slot=str(r.slot), seq=str(r.seq_id))} {r.cells}"
+        for r in table.slots
+    ]
+    lines += [
+        "# HELP chatctx_pool_slot_leased 1 while the slot is leased.",
+        "# TYPE chatctx_pool_slot_leased gauge",
+    ]
+    lines += [
+        f"chatctx_pool_slot_leased{_labels(slot=str(r.slot), seq=str(r.seq_id))} {int(r.leased)}"
+        for r in table.slots
+    ]
+    if table.reserved:
+        lines += [
+            "# HELP chatctx_pool_reserved_cells KV cells of a sequence kept out of the pool.",
+            "# TYPE chatctx_pool_reserved_cells gauge",
+        ]
+        lines += [
+            f"chatctx_pool_reserved_cells{_labels(seq=str(r.seq_id), role=r.role)} {r.cells}"
+            for r in table.reserved
+        ]
+    lines += [
+        "# HELP chatctx_swap_stored_bytes Bytes of swapped KV state held now.",
+        "# TYPE chatctx_swap_stored_bytes gauge",
+    ]
+    lines += [
+        f"chatctx_swap_stored_bytes{_labels(where=w)} {counters[f'{w}_bytes']}" for w in SWAP_PLACES
+    ]
+    lines += [
+        "# HELP chatctx_swap_stored_conversations Conversations whose KV state is swapped out.",
+        "# TYPE chatctx_swap_stored_conversations gauge",
+    ]
+    lines += [
+        f"chatctx_swap_stored_conversations{_labels(where=w)} "
+        f"{sum(r.where == w for r in table.swapped)}"
+        for w in SWAP_PLACES
+    ]
+    lines += [
+        "# HELP chatctx_swap_in_total KV states restored from a swap.",
+        "# TYPE chatctx_swap_in_total counter",
+    ]
+    lines += [
+        f"chatctx_swap_in_total{_labels(where=w)} {counters[f'swap_in_{w}']}" for w in SWAP_PLACES
+    ]
+    for metric, name, scale, help_text in _POOL_COUNTERS:
+        value = counters[name] * scale  # an int counter times 1 stays an int
+        lines += [
+            f"# HELP {metric} {help_text}",
+            f"# TYPE {metric} counter",
+            f"{metric} {_number(value)}",
+        ]
+    lines += [
+        "# HELP chatctx_batch_max_sequences Most sequences decoded together in one step.",
+        "# TYPE chatctx_batch_max_sequences gauge",
+        f"chatctx_batch_max_sequences {counters['batch_max']}",
+        "# HELP chatctx_slot_table_updated_seconds When the engine last wrote its slot table.",
+        "# TYPE chatctx_slot_table_updated_seconds gauge",
+        f"chatctx_slot_table_updated_seconds {table.updated_at.timestamp():.3f}",
+    ]
+    return lines
+
+
 def prometheus_text(
     conversations: Mapping[str, Sequence[Turn]],
     *,
     live_cells: Mapping[int, int] | None = None,
     n_ctx: int | None = None,
     live_memory: MemorySnapshot | None = None,
+    slot_table: SlotTable | None = None,
 ) -> str:
     """Exposition text for each conversation's turns, plus live KV usage when given.
 
     ``live_cells`` maps sequence ids to the cells they use now (``Engine.kv_usage()``), the
     gauges llama.cpp's own server no longer exports. Memory gauges (RSS, GPU used/free) come
     from each conversation's last turn, and from ``live_memory`` (``memory_snapshot()``) when
-    given; GPU gauges are left out where they were not measured.
+    given; GPU gauges are left out where they were not measured. ``slot_table``
+    (``read_slot_table()``) adds the slot pool: slots leased, cells per slot, swapped bytes,
+    swap-in/out counts and times, and batch steps and tokens.
     """
     lines: list[str] = []
     stats = {cid: totals(turns) for cid, turns in conversations.items()}
@@ -67,6 +177,25 @@ def prometheus_text(
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
         for cid, t in stats.items():
             lines.append(f"{metric}{_labels(conversation=cid)} {getattr(t, name)}")
+    swaps = {cid: swap_totals(turns) for cid, turns in conversations.items()}
+    lines += [
+        "# HELP chatctx_swap_in_turns_total Turns whose KV state was restored from a swap.",
+        "# TYPE chatctx_swap_in_turns_total counter",
+    ]
+    for cid, swap in swaps.items():
+        for where in SWAP_PLACES:
+            count = swap.swap_in_ram if where == "ram" else swap.swap_in_disk
+            lines.append(
+                f"chatctx_swap_in_turns_total{_labels(conversation=cid, where=where)} {count}"
+            )
+    lines += [
+        "# HELP chatctx_reprefill_turns_total Turns that refused a swapped state and prefilled.",
+        "# TYPE chatctx_reprefill_turns_total counter",
+    ]
+    lines += [
+        f"chatctx_reprefill_turns_total{_labels(conversation=cid)} {swap.reprefills}"
+        for cid, swap in swaps.items()
+    ]
     gauges: Iterable[tuple[str, str, str]] = (
         (
             "chatctx_prefill_amplification",
@@ -142,4 +271,6 @@ def prometheus_text(
                 "# TYPE chatctx_kv_usage_ratio gauge",
                 f"chatctx_kv_usage_ratio {used / n_ctx:.6g}",
             ]
+    if slot_table is not None:
+        lines += _slot_lines(slot_table)
     return "\n".join(lines) + "\n"

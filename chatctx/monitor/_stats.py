@@ -1,8 +1,9 @@
-"""Aggregates over per-turn records: prefill amplification, cache hit ratio, TTFT quantiles."""
+"""Aggregates over per-turn records: prefill amplification, cache hit ratio, TTFT, swap-ins."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -67,4 +68,39 @@ def totals(turns: Sequence[Turn]) -> Totals:
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p95_ms=percentile(ttfts, 95),
         decode_tokens_per_s=sum(rates) / len(rates) if rates else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SwapTotals:
+    """How turns found their KV state in the slot pool: restored from a swap or prefilled."""
+
+    turns: int
+    swap_in_ram: int  # turns whose KV state came back from RAM
+    swap_in_disk: int  # ... and from disk
+    swap_in_bytes: int
+    swap_in_ms_mean: float | None  # over the swap-in turns that timed it
+    reprefills: int  # turns that refused a swapped state and prefilled again
+    reprefill_reasons: dict[str, int]  # reason -> turns, most frequent first
+    batch_max: int | None  # most sequences decoded together in one step, over all turns
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def swap_totals(turns: Sequence[Turn]) -> SwapTotals:
+    """Count the turns that started from a swap-in (RAM, disk) or from a re-prefill."""
+    swapped = [t for t in turns if t.swap_in is not None]
+    timed = [t.swap_in_ms for t in swapped if t.swap_in_ms is not None]
+    reasons = Counter(t.reprefill_reason for t in turns if t.reprefill_reason is not None)
+    widths = [t.batch_max for t in turns if t.batch_max is not None]
+    return SwapTotals(
+        turns=len(turns),
+        swap_in_ram=sum(t.swap_in == "ram" for t in swapped),
+        swap_in_disk=sum(t.swap_in == "disk" for t in swapped),
+        swap_in_bytes=sum(t.swap_in_bytes or 0 for t in swapped),
+        swap_in_ms_mean=sum(timed) / len(timed) if timed else None,
+        reprefills=sum(reasons.values()),
+        reprefill_reasons=dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0]))),
+        batch_max=max(widths) if widths else None,
     )
