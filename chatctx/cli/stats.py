@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from chatctx.cli._common import (
@@ -17,7 +21,15 @@ from chatctx.cli._common import (
     resolve_db,
 )
 from chatctx.errors import ConfigError
-from chatctx.monitor import prometheus_text, totals
+from chatctx.monitor import (
+    SlotTable,
+    SwapTotals,
+    default_slots_path,
+    prometheus_text,
+    read_slot_table,
+    swap_totals,
+    totals,
+)
 from chatctx.store import Store, Turn
 
 
@@ -34,23 +46,56 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
     is_flag=True,
     help="Print the Prometheus text exposition (all conversations without an id).",
 )
+@click.option(
+    "--slots",
+    is_flag=True,
+    help="Show the engine's slot pool (slot table file) and how turns found their KV state; "
+    "with --prometheus, add the pool's metrics.",
+)
+@click.option(
+    "--slots-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Slot table the engine writes (default: CHATCTX_HOME/slots.json); implies --slots.",
+)
 @handle_errors
-def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus: bool) -> None:
+def stats(
+    conversation_id: str | None,
+    db: str | None,
+    as_json: bool,
+    prometheus: bool,
+    slots: bool,
+    slots_file: Path | None,
+) -> None:
     """Show what the KV cache did on every turn of a conversation, with totals.
 
     Prefill amplification = evaluated / new prompt tokens; cache hit ratio = reused / prompt.
+    With --slots: the engine's slot pool (slots, reserved sequences, swapped conversations,
+    swap and batching counters) and, from the stored turns (all, or the named conversation's),
+    how many started from a swap-in or a re-prefill.
     """
+    slot_table: SlotTable | None = None
+    path = slots_file or default_slots_path()
+    if slots or slots_file is not None:
+        slot_table = read_slot_table(path)
     with Store(resolve_db(db)) as store:
-        if prometheus:
+        if prometheus or slot_table is not None:
             ids = (
                 [conversation_id] if conversation_id else [c.id for c in store.list_conversations()]
             )
             for cid in ids:
                 store.get_conversation(cid)
-            click.echo(prometheus_text({cid: store.turns(cid) for cid in ids}), nl=False)
+            by_conversation = {cid: store.turns(cid) for cid in ids}
+            if prometheus:
+                text = prometheus_text(by_conversation, slot_table=slot_table)
+                click.echo(text, nl=False)
+                return
+            assert slot_table is not None
+            all_turns = [t for turns in by_conversation.values() for t in turns]
+            _show_slots(slot_table, path, swap_totals(all_turns), conversation_id, as_json)
             return
         if conversation_id is None:
-            raise ConfigError("name a conversation (or use --prometheus for all)")
+            raise ConfigError("name a conversation (or use --prometheus or --slots for all)")
         store.get_conversation(conversation_id)
         turns = store.turns(conversation_id)
     summary = totals(turns)
@@ -79,7 +124,7 @@ def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus
         "TTFT ms",
         "tok/s",
         "policy",
-        title=f"KV cache, conversation {conversation_id}",
+        title=f"KV cache, conversation {escape(conversation_id)}",
     )
     if show_rss:
         table.add_column("RSS MiB")
@@ -102,7 +147,7 @@ def stats(conversation_id: str | None, db: str | None, as_json: bool, prometheus
             cells,
             _fmt(t.ttft_ms),
             _fmt(t.decode_tokens_per_s, ".1f"),
-            (t.eviction_policy or "-") + (" *" if evicted else ""),
+            escape(t.eviction_policy or "-") + (" *" if evicted else ""),
             *extra,
         )
     console.print(table)
@@ -137,3 +182,127 @@ def _memory(turns: Sequence[Turn]) -> dict[str, int | None]:
         "last_gpu_used_bytes": last.gpu_used_bytes if last else None,
         "last_gpu_free_bytes": last.gpu_free_bytes if last else None,
     }
+
+
+def _size(value: float) -> str:
+    """Bytes in binary units, one decimal (``120.6 KiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else f"{value.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
+
+
+def _slots_report(
+    table: SlotTable, path: Path, turns: SwapTotals, conversation_id: str | None
+) -> dict[str, Any]:
+    return {
+        "slots_file": str(path),
+        "conversation": conversation_id,
+        "writer_running": table.writer_running(),
+        "table": table.as_dict(),
+        "derived": {
+            "slots": len(table.slots),
+            "leased": table.leased,
+            "cells": sum(r.cells for r in table.slots),
+            "swap_in": table.swap_ins,
+            "mean_swap_in_ms": table.mean_swap_in_ms,
+            "mean_swap_out_ms": table.mean_swap_out_ms,
+            "mean_batch_sequences": table.mean_batch_sequences,
+            "mean_batch_tokens": table.mean_batch_tokens,
+            "max_batch_sequences": table.counters["batch_max"],
+        },
+        "turns": turns.as_dict(),
+    }
+
+
+def _show_slots(
+    table: SlotTable,
+    path: Path,
+    turns: SwapTotals,
+    conversation_id: str | None,
+    as_json: bool,
+) -> None:
+    if as_json:
+        print_json(_slots_report(table, path, turns, conversation_id))
+        return
+    c = table.counters
+    console.print(
+        f"slot table {escape(str(path))} · model {escape(table.model or '-')} · n_ctx "
+        f"{table.n_ctx} · unified KV {'yes' if table.kv_unified else 'no'} · pid {table.pid} · "
+        f"updated {_when(table.updated_at)} UTC"
+    )
+    if table.writer_running() is False:
+        console.print(
+            f"[yellow]process {table.pid} is not running: the table shows the pool as it "
+            "was left[/yellow]"
+        )
+    slots = Table("slot", "seq", "conversation", "cells", "leased", "last use (UTC)", title="Slots")
+    for r in table.slots:
+        slots.add_row(
+            str(r.slot),
+            str(r.seq_id),
+            escape(r.conversation or "-"),
+            str(r.cells),
+            "yes" if r.leased else "no",
+            _when(r.last_use),
+        )
+    console.print(slots)
+    console.print(
+        f"{table.leased} of {len(table.slots)} slots leased · "
+        f"{sum(r.cells for r in table.slots)} cells in slots"
+    )
+    if table.reserved:
+        reserved = Table("seq", "role", "cells", title="Reserved sequences")
+        for res in table.reserved:
+            reserved.add_row(str(res.seq_id), escape(res.role), str(res.cells))
+        console.print(reserved)
+    if table.swapped:
+        swapped = Table(
+            "conversation", "where", "bytes", "tokens", "saved (UTC)", title="Swapped out"
+        )
+        for sw in table.swapped:
+            swapped.add_row(
+                escape(sw.conversation),
+                "RAM" if sw.where == "ram" else "disk",
+                _size(sw.bytes),
+                str(sw.tokens),
+                _when(sw.saved_at),
+            )
+        console.print(swapped)
+    else:
+        console.print("no conversation swapped out")
+    console.print(
+        f"swap-ins {table.swap_ins} (RAM {c['swap_in_ram']}, disk {c['swap_in_disk']}) · "
+        f"{_size(c['swap_in_bytes'])} · {_fmt(table.mean_swap_in_ms, '.2f')} ms per swap-in"
+    )
+    console.print(
+        f"swap-outs {c['swap_out']} · {_size(c['swap_out_bytes'])} · "
+        f"{_fmt(table.mean_swap_out_ms, '.2f')} ms per swap-out"
+    )
+    console.print(
+        f"held now: RAM {_size(c['ram_bytes'])}, disk {_size(c['disk_bytes'])} · spilled to "
+        f"disk {c['spill_to_disk']} · dropped from disk {c['disk_dropped']} · re-prefills "
+        f"{c['reprefill']}"
+    )
+    console.print(
+        f"batching: {c['batch_steps']} steps · {c['batch_tokens']} tokens "
+        f"({_fmt(table.mean_batch_tokens, '.1f')} per step) · sequences per step: mean "
+        f"{_fmt(table.mean_batch_sequences, '.2f')}, max {c['batch_max']}"
+    )
+    scope = f"conversation {escape(conversation_id)}" if conversation_id else "all conversations"
+    console.print(
+        f"stored turns ({scope}): {turns.turns} · from a swap-in "
+        f"{turns.swap_in_ram + turns.swap_in_disk} (RAM {turns.swap_in_ram}, disk "
+        f"{turns.swap_in_disk}), mean swap-in {_fmt(turns.swap_in_ms_mean, '.2f')} ms · "
+        f"re-prefilled {turns.reprefills}"
+    )
+    if turns.reprefill_reasons:
+        reasons = Table("re-prefill reason", "turns", title="Why swapped states were refused")
+        for reason, count in turns.reprefill_reasons.items():
+            reasons.add_row(escape(reason), str(count))
+        console.print(reasons)
