@@ -96,11 +96,47 @@ class EngineConfig(_Model):
     """How a GGUF is loaded into llama.cpp."""
 
     model_path: Path = Field(description="Path to a GGUF model file.")
-    n_ctx: int = Field(4096, ge=64, description="Context size in tokens (rounded up to 256).")
+    n_ctx: int = Field(
+        4096,
+        ge=64,
+        description="Context of one conversation in tokens (rounded up to 256); the KV cache "
+        "is sized for `slots` of them plus the summary sequence.",
+    )
     n_batch: int = Field(512, ge=1, description="Most tokens submitted to one decode call.")
     n_ubatch: int = Field(512, ge=1, description="Physical micro-batch size.")
-    n_seq_max: int = Field(1, ge=1, le=64, description="Sequences (KV streams) in the context.")
-    kv_unified: bool = Field(True, description="All sequences share one KV buffer of n_ctx.")
+    slots: int = Field(
+        1, ge=1, le=63, description="Conversations whose caches the engine holds at once."
+    )
+    n_seq_max: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Sequences in the context: `slots` plus one reserved for summaries and "
+        "reordering (derived from `slots`; 1 means no reserved sequence).",
+    )
+    kv_unified: bool = Field(
+        True, description="All sequences share one KV buffer (else one stream each)."
+    )
+    summary_room: int | None = Field(
+        None,
+        ge=0,
+        description="Cells kept for the summary sequence in a unified cache; None = "
+        "min(n_ctx, 1792).",
+    )
+    swap_ram_mb: float = Field(
+        256, ge=0, description="RAM for KV states of conversations that lost their slot."
+    )
+    swap_disk_mb: float = Field(
+        4096, ge=0, description="Disk (under swap_dir) for states that do not fit in RAM."
+    )
+    swap_dir: Path | None = Field(
+        None, description="Where swapped KV states are kept; None = $CHATCTX_HOME/kv."
+    )
+    slot_table: Path | None = Field(
+        None,
+        description="JSON snapshot of the slot pool for `chatctx stats --slots`; None = "
+        "$CHATCTX_HOME/slots.json.",
+    )
     n_gpu_layers: int = Field(-1, ge=-1, description="Layers offloaded to the GPU (-1 = all).")
     flash_attn: bool | None = Field(
         None,
@@ -138,6 +174,16 @@ class EngineConfig(_Model):
         # Imported here: chatctx.engine imports this module.
         from chatctx.engine._memory import resolve_flash_attn
 
+        if "slots" in data and "n_seq_max" in data:
+            if int(data["n_seq_max"]) not in (int(data["slots"]), int(data["slots"]) + 1):
+                raise ConfigError(
+                    f"n_seq_max {data['n_seq_max']} does not match slots {data['slots']} "
+                    "(n_seq_max is slots + 1: one sequence is reserved for summaries)"
+                )
+        elif "slots" in data:
+            data = {**data, "n_seq_max": int(data["slots"]) + 1}
+        elif "n_seq_max" in data:
+            data = {**data, "slots": max(1, int(data["n_seq_max"]) - 1)}
         flash = data.get("flash_attn")
         if isinstance(flash, str):
             words = {"auto": None, "on": True, "true": True, "off": False, "false": False}

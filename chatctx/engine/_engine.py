@@ -1,4 +1,4 @@
-"""The llama.cpp engine: one model, one context, several sequences, a mirror of each.
+"""The llama.cpp engine: one model, one context, slots of conversations, a mirror of each.
 
 For every sequence the engine keeps the exact token list that sits in the KV cache, so a
 request reuses the longest common prefix and evaluates only the rest.
@@ -6,27 +6,35 @@ request reuses the longest common prefix and evaluates only the rest.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import hashlib
+import json
 import logging
+import os
+import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from chatctx._resource import Closeable
-from chatctx.config import EngineConfig, GenerationSettings
+from chatctx.config import EngineConfig, GenerationSettings, default_home
 from chatctx.engine import _gguf
 from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec
 from chatctx.engine._kv import KVReport
+from chatctx.engine._memory import pad256
 from chatctx.engine._models import resolve_model_path
-from chatctx.engine._native import NativeContext, NativeModel, Sampler, supports_gpu_offload
-from chatctx.engine._results import GenerationResult, ModelInfo, Timings, Usage
-from chatctx.engine._sequences import bring_to
+from chatctx.engine._native import NativeContext, NativeModel, supports_gpu_offload
+from chatctx.engine._results import GenerationResult, ModelInfo
+from chatctx.engine._scheduler import BatchCounters, Job, Scheduler
+from chatctx.engine._sequences import prepare
+from chatctx.engine._slots import Lease, SlotPool
+from chatctx.engine._swap import SwapCache, SwapEntry, SwapHit
 from chatctx.engine._template import RenderedPrompt, template_for
 from chatctx.errors import ChatctxError, ClosedError, ConfigError, GenerationError, ModelError
 
@@ -36,51 +44,85 @@ logger = logging.getLogger("chatctx.engine")
 class Generation:
     """A running generation: iterate for text chunks; ``result`` is set when it ends.
 
-    Closing it early (``close()``, ``break`` + garbage collection) ends it with stop reason
-    ``interrupted``; the KV mirror stays exact either way.
+    The engine's scheduler advances it together with every other generation (one decode per
+    step); reading it from any thread is safe. Closing it early (``close()``, or ``break``
+    followed by garbage collection) ends it with stop reason ``interrupted``; the KV mirror
+    stays exact either way.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        seq_id: int,
-        prompt: Sequence[int],
-        settings: GenerationSettings,
-        eviction: str = "shift",
-        history_start: int | None = None,
-        *,
-        background: bool = False,
-    ) -> None:
+    def __init__(self, engine: Engine, job: Job) -> None:
         self.result: GenerationResult | None = None
         self.text = ""
-        self.first_token_only = False
-        self.background = background
-        self._iterator: Generator[str, None, None] = engine._run(
-            self, seq_id, list(prompt), settings, eviction, history_start
-        )
+        self._engine = engine
+        self._job = job
+        self._started = False
+        self._ended = False
+        # Abandoned without close(): stop it at the next step, without waiting.
+        self._finalizer = weakref.finalize(self, engine._scheduler.cancel, job, wait=False)
+
+    @property
+    def background(self) -> bool:
+        return self._job.background
+
+    @property
+    def first_token_only(self) -> bool:
+        return self._job.first_token_only
+
+    @first_token_only.setter
+    def first_token_only(self, value: bool) -> None:
+        self._job.first_token_only = value
 
     def __iter__(self) -> Iterator[str]:
-        return self._iterator
+        return self
 
     def __next__(self) -> str:
-        return next(self._iterator)
+        job = self._job
+        if not self._started:
+            self._started = True
+            self._engine._submit(job)
+        if self._ended:
+            raise StopIteration
+        item = job.out.get()
+        if isinstance(item, str):
+            self.text += item
+            return item
+        self._ended = True
+        self.result = job.result
+        if job.error is not None:
+            error = job.error
+            job.error = None  # raised once
+            raise error
+        raise StopIteration
 
     def close(self) -> None:
-        self._iterator.close()
+        """Stop (stop reason ``interrupted``) and wait until the engine has let go of it."""
+        job = self._job
+        if not self._started:
+            self._started = True
+            self._ended = True
+            return
+        self._engine._scheduler.cancel(job)
+        self._ended = True
+        self.result = job.result
 
     def wait(self, *, first_token_only: bool = False) -> GenerationResult:
         """Run to the end and return the result (or stop once the first token is sampled)."""
-        self.first_token_only = first_token_only
-        for _ in self._iterator:
+        if not self._started:
+            self._job.first_token_only = first_token_only
+        for _ in self:
             pass
         assert self.result is not None
         return self.result
 
 
 class Engine(Closeable):
-    """llama.cpp with a Llama-3-style GGUF: tokenizer, chat template and KV sequences.
+    """llama.cpp with a Llama-3-style GGUF: tokenizer, chat template, KV slots, a scheduler.
 
-    Use as a context manager; ``close()`` frees the context, then the model.
+    ``n_ctx`` is the context of one conversation; the KV cache holds ``slots`` of them plus
+    a reserved sequence for summaries. Conversations lease slots (``lease``/``release``);
+    a conversation that loses its slot is swapped to RAM or disk and restored when it comes
+    back. Use as a context manager; ``close()`` ends running generations, keeps the slots'
+    states on disk for the next run, then frees the context and the model.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -93,24 +135,29 @@ class Engine(Closeable):
             chat_format=config.chat_format,
             path=str(config.model_path),
         )
-        # Every call that touches the llama.cpp context holds this lock: one thread at a time
-        # inside a llama_context, and close() waits for the step in progress.
+        # Every call that touches the llama.cpp context holds this lock; the scheduler holds
+        # it for one decode step at a time.
         self._lock = threading.RLock()
-        # Background work (summaries) steps aside while a turn's prefill runs: a turn waits
-        # for at most one background step, never for a whole summary.
-        self._turn = threading.Condition()
-        self._prefilling = 0
         self._side = threading.Lock()  # one side generation (on the spare sequence) at a time
         self._spare_busy = False
         self._closed = False
-        self._live: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self._n_ctx = pad256(config.n_ctx)
+        self.slots = min(config.slots, config.n_seq_max)
+        reserved = config.n_seq_max - self.slots
+        room = config.summary_room if config.summary_room is not None else 1792
+        self._summary_room = min(self._n_ctx, room) if reserved else 0
+        if config.kv_unified:
+            cells = pad256(self.slots * self._n_ctx + self._summary_room)
+        else:
+            cells = config.n_seq_max * self._n_ctx
         self._stack = ExitStack()
         try:
             self.model = NativeModel(config.model_path, n_gpu_layers=config.n_gpu_layers)
             self._stack.callback(self.model.close)
             self.context = NativeContext(
                 self.model,
-                n_ctx=config.n_ctx,
+                n_ctx=cells,
+                n_ctx_seq=self._n_ctx,
                 n_batch=config.n_batch,
                 n_ubatch=config.n_ubatch,
                 n_seq_max=config.n_seq_max,
@@ -128,6 +175,7 @@ class Engine(Closeable):
         except BaseException:
             self._stack.close()
             raise
+        self.kv_cells_total = self.context.n_ctx
         bos = self.model.bos
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
         self.template.bos_token = self.model.token_text(bos) if bos >= 0 else ""
@@ -137,11 +185,35 @@ class Engine(Closeable):
         self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
         self._codec: PromptCodec | None = None
         self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
+        self._scheduler = Scheduler(
+            self.context,
+            self.model,
+            self._mirror,
+            lock=self._lock,
+            n_ctx=self._n_ctx,
+            admit=self._admit,
+        )
+        home = default_home()
+        self.swap = SwapCache(
+            fingerprint=self.fingerprint(),
+            ram_bytes=int(config.swap_ram_mb * 2**20),
+            disk_bytes=int(config.swap_disk_mb * 2**20),
+            directory=config.swap_dir or home / "kv",
+        )
+        self.swap_counters = SwapCounters()
+        self._slot_table_path = config.slot_table or home / "slots.json"
+        self.pool = SlotPool(
+            self.slots,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
+            on_change=self.write_slot_table,
+        )
         logger.debug(
-            "loaded %s: n_ctx=%d n_seq_max=%d template=%s gpu=%s",
+            "loaded %s: n_ctx=%d slots=%d cells=%d template=%s gpu=%s",
             config.model_path,
             self.n_ctx,
-            config.n_seq_max,
+            self.slots,
+            self.kv_cells_total,
             self.template.name,
             self.gpu_offload,
         )
@@ -160,14 +232,14 @@ class Engine(Closeable):
     # lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """End live generations (stop reason ``closed``), then free the context and model."""
-        with self._lock:
+        """End live generations (stop reason ``closed``), keep slot states on disk, free all."""
+        if self._closed:
+            return
+        self._scheduler.close()
+        self.pool.close()
+        with self._locked():
             self._closed = True
-            for generation in list(self._live):
-                # Runs its cleanup now (its stream then just ends); ValueError: it is running
-                # in another thread, which sees the close at its next step.
-                with contextlib.suppress(ValueError):
-                    generation.close()
+            self._persist_slots()
             self._stack.close()
 
     @property
@@ -186,8 +258,15 @@ class Engine(Closeable):
 
     @property
     def n_ctx(self) -> int:
-        """Tokens one sequence can hold."""
-        return self.context.n_ctx_seq
+        """Tokens one conversation (one slot) can hold."""
+        return self._n_ctx
+
+    @property
+    def side_room(self) -> int:
+        """Tokens a side generation (a summary: prompt and output) may use."""
+        if self.spare_seq is None:
+            return 0
+        return self._n_ctx if not self.config.kv_unified else self._summary_room
 
     def info(self) -> ModelInfo:
         d = self.model.describe()
@@ -204,7 +283,26 @@ class Engine(Closeable):
             chat_template=self.template.name,
             gpu_offload=self.gpu_offload,
             kv_bytes_per_token_f16=self.facts["kv_bytes_per_token_f16"],
+            slots=self.slots,
+            kv_cells=self.kv_cells_total,
         )
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a saved sequence state depends on: the model, the KV layout and types."""
+        path = self.config.model_path
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+        return {
+            "model": path.name,
+            "model_bytes": path.stat().st_size,
+            "model_sha256_1mib": digest.hexdigest()[:16],
+            "n_ctx": self._n_ctx,
+            "kv_unified": self.config.kv_unified,
+            "type_k": self.config.type_k,
+            "type_v": self.config.type_v,
+            "flash_attn": self.config.flash_attn,
+        }
 
     # text ---------------------------------------------------------------------------------
 
@@ -214,12 +312,12 @@ class Engine(Closeable):
         Prompts built from messages go through ``prompt_tokens``, which parses only the
         template's own markup.
         """
-        with self._lock:
+        with self._locked():
             self._check_open()
             return self.model.tokenize(text, add_special=False, parse_special=special)
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
-        with self._lock:
+        with self._locked():
             self._check_open()
             return self.model.detokenize(tokens, special=special)
 
@@ -272,34 +370,200 @@ class Engine(Closeable):
 
     def cached_tokens(self, seq_id: int = 0) -> tuple[int, ...]:
         """The tokens the KV cache holds for ``seq_id``, as the engine mirrors them."""
-        with self._lock:
+        with self._locked():
             self._check_seq(seq_id)
             return tuple(self._mirror[seq_id])
 
     def kv_cells(self, seq_id: int = 0) -> int:
         """Cells used by ``seq_id``, read from llama.cpp (pos_max - pos_min + 1)."""
-        with self._lock:
+        with self._locked():
             self._check_seq(seq_id)
             lo, hi = self.context.seq_pos_min(seq_id), self.context.seq_pos_max(seq_id)
             return 0 if hi < 0 else hi - lo + 1
 
     def kv_usage(self) -> dict[int, int]:
         """Cells used by every sequence, read from llama.cpp."""
-        with self._lock:
+        with self._locked():
             return {seq: self.kv_cells(seq) for seq in range(self.config.n_seq_max)}
 
     def clear(self, seq_id: int | None = None) -> None:
-        """Forget one sequence (or all) in the KV cache."""
-        with self._lock:
+        """Forget one sequence (or all) in the KV cache; a running generation's is refused."""
+        with self._locked():
             self._check_open()
-            if seq_id is None:
-                self.context.clear()
-                for mirror in self._mirror.values():
-                    mirror.clear()
+            seqs = range(self.config.n_seq_max) if seq_id is None else [seq_id]
+            for seq in seqs:
+                self._check_seq(seq)
+                if self._scheduler.active(seq) or (seq == self.spare_seq and self._spare_busy):
+                    raise ConfigError(f"sequence {seq} is in use by a running generation")
+            for seq in seqs:
+                self.context.seq_rm(seq, 0, -1)
+                self._mirror[seq].clear()
+                self.pool.forget(seq)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        # The scheduler steps back between decodes while another thread waits for the lock.
+        self._scheduler.waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            self._scheduler.waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # slots --------------------------------------------------------------------------------
+
+    def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
+        """A slot for one turn of ``conversation``: its own cache if still there, else a free
+        or least recently used idle slot (its owner is swapped out), restored from a swap
+        when ``conversation`` had one. Waits while every slot is leased."""
+        self._check_open()
+        return self.pool.lease(conversation, timeout=timeout)
+
+    def release(self, lease: Lease) -> None:
+        self.pool.release(lease)
+
+    def pin(self, conversation: str, seq_id: int) -> None:
+        """Give ``conversation`` slot ``seq_id`` until ``unpin`` (the expert ``seq_id=``)."""
+        self._check_open()
+        self.pool.pin(conversation, seq_id)
+
+    def unpin(self, conversation: str) -> None:
+        self.pool.unpin(conversation)
+
+    def _swap_out(self, seq_id: int, owner: str) -> None:
+        t0 = time.perf_counter()
+        with self._locked():
+            self._check_open()
+            tokens = tuple(self._mirror[seq_id])
+            data: bytes | None = None
+            if tokens:
+                try:
+                    data = self.context.state_seq_get(seq_id)
+                except ChatctxError as exc:
+                    logger.warning("state of %s not saved: %s", owner, exc)
+            self.context.seq_rm(seq_id, 0, -1)
+            self._mirror[seq_id].clear()
+        if data is None:
+            self.swap.discard(owner)
+            return
+        where = self.swap.put(SwapEntry(owner, tokens, data, self.swap.fingerprint))
+        c = self.swap_counters
+        c.swap_out += 1
+        c.swap_out_bytes += len(data)
+        c.swap_out_ms += (time.perf_counter() - t0) * 1000
+        logger.debug(
+            "swapped out %s (%d tokens, %d bytes) to %s", owner, len(tokens), len(data), where
+        )
+
+    def _swap_in(self, seq_id: int, owner: str) -> tuple[SwapHit, float]:
+        t0 = time.perf_counter()
+        hit = self.swap.take(owner)
+        if hit.entry is None:
+            if hit.reason:
+                self.swap_counters.reprefill += 1
+                logger.info("conversation %s re-prefills: %s", owner, hit.reason)
+            return hit, 0.0
+        entry = hit.entry
+        with self._locked():
+            self._check_open()
+            self.context.seq_rm(seq_id, 0, -1)
+            self._mirror[seq_id].clear()
+            ok = self.context.state_seq_set(seq_id, entry.data)
+            lo, hi = self.context.seq_pos_min(seq_id), self.context.seq_pos_max(seq_id)
+            if ok and lo == 0 and hi == len(entry.tokens) - 1:
+                self._mirror[seq_id].extend(entry.tokens)
             else:
-                self._check_seq(seq_id)
                 self.context.seq_rm(seq_id, 0, -1)
-                self._mirror[seq_id].clear()
+                reason = (
+                    f"llama.cpp refused the saved state (positions {lo}..{hi} for "
+                    f"{len(entry.tokens)} tokens)"
+                )
+                self.swap_counters.reprefill += 1
+                return SwapHit(None, None, reason), 0.0
+        ms = (time.perf_counter() - t0) * 1000
+        c = self.swap_counters
+        if hit.where == "disk":
+            c.swap_in_disk += 1
+        else:
+            c.swap_in_ram += 1
+        c.swap_in_bytes += entry.size
+        c.swap_in_ms += ms
+        return hit, ms
+
+    def _persist_slots(self) -> None:
+        # At shutdown the slots' states go to disk: a customer who returns after a restart
+        # gets a restore, not a re-prefill.
+        if self.swap.directory is None or self.context.closed:
+            return
+        for slot in self.pool.slots:
+            tokens = tuple(self._mirror[slot.seq_id])
+            if slot.owner is None or not tokens:
+                continue
+            try:
+                data = self.context.state_seq_get(slot.seq_id)
+            except ChatctxError as exc:
+                logger.warning("state of %s not kept: %s", slot.owner, exc)
+                continue
+            self.swap.persist(SwapEntry(slot.owner, tokens, data, self.swap.fingerprint))
+
+    def slot_table(self) -> dict[str, Any]:
+        """The pool as the monitor shows it (``chatctx stats --slots``)."""
+        cells: dict[int, int] = {}
+        if not self._closed:
+            with contextlib.suppress(ChatctxError):
+                cells = {s: len(m) for s, m in self._mirror.items()}
+        batch = self._scheduler.counters
+        c = self.swap_counters
+        return {
+            "version": 1,
+            "pid": os.getpid(),
+            "updated_at": datetime.now(UTC).isoformat(),
+            "model": self.config.model_path.name,
+            "n_ctx": self.n_ctx,
+            "kv_unified": self.config.kv_unified,
+            "slots": [
+                {
+                    "slot": slot.seq_id,
+                    "seq_id": slot.seq_id,
+                    "conversation": slot.owner,
+                    "cells": cells.get(slot.seq_id, 0),
+                    "leased": slot.leased,
+                    "last_use": slot.last_use_wall,
+                }
+                for slot in self.pool.slots
+            ],
+            "reserved": [
+                {"seq_id": seq, "role": "summary", "cells": cells.get(seq, 0)}
+                for seq in range(self.slots, self.config.n_seq_max)
+            ],
+            "swapped": self.swap.listing(),
+            "counters": {
+                **asdict(c),
+                "spill_to_disk": self.swap.counters["spill_to_disk"],
+                "disk_dropped": self.swap.counters["disk_dropped"],
+                "ram_bytes": self.swap.ram_used,
+                "disk_bytes": self.swap.disk_used,
+                "batch_steps": batch.steps,
+                "batch_tokens": batch.tokens,
+                "batch_max": batch.max_sequences,
+                "batch_sequences": batch.sequences,
+            },
+        }
+
+    def write_slot_table(self) -> None:
+        """Write ``slot_table()`` to the configured file (atomically); failures are logged."""
+        path = self._slot_table_path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.slot_table(), f)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.debug("slot table not written to %s: %s", path, exc)
 
     # generation ---------------------------------------------------------------------------
 
@@ -307,7 +571,7 @@ class Engine(Closeable):
     def spare_seq(self) -> int | None:
         """The sequence kept free for side work (summaries, reordering), if there is one."""
         n = self.config.n_seq_max
-        return n - 1 if n > 1 else None
+        return n - 1 if n > self.slots else None
 
     def side_generate(
         self,
@@ -320,20 +584,29 @@ class Engine(Closeable):
         """Generate on the spare sequence (a summary, say) and return the text.
 
         One side generation runs at a time; the spare sequence is emptied afterwards. In the
-        background, the prefill goes in small chunks and every step waits while a turn's
-        prefill runs, so a customer's turn waits for one step at most. ``deadline``
-        (``time.monotonic()``) raises ``TimeoutError`` once passed, between steps.
+        background it joins the scheduler's steps only while no customer's prompt is being
+        evaluated, in small chunks. ``deadline`` (``time.monotonic()``) raises
+        ``TimeoutError`` once passed.
         """
         spare = self.spare_seq
         if spare is None:
-            raise ConfigError("side generations need an engine with n_seq_max >= 2")
+            raise ConfigError("side generations need a reserved sequence (n_seq_max > slots)")
+        room = self.side_room - len(prompt)
+        if room < 1:
+            raise GenerationError(
+                f"side prompt of {len(prompt)} tokens does not fit the summary room "
+                f"({self.side_room} tokens)"
+            )
+        if settings.max_tokens > room:
+            settings = settings.model_copy(update={"max_tokens": room})
         with self._side:
-            with self._lock:
+            with self._locked():
                 self._check_open()
                 self._spare_busy = True
             try:
-                generation = self.generate(prompt, seq_id=spare, settings=settings)
-                generation.background = background
+                generation = self._generation(
+                    prompt, spare, settings, "recompute", None, background
+                )
                 try:
                     for _ in generation:
                         if deadline is not None and time.monotonic() > deadline:
@@ -342,21 +615,11 @@ class Engine(Closeable):
                     generation.close()
                 return generation.text
             finally:
-                with self._lock:
+                with self._locked():
                     self._spare_busy = False
                     if not self._closed:
-                        self.clear(spare)
-
-    def _foreground(self, delta: int) -> None:
-        with self._turn:
-            self._prefilling += delta
-            if not self._prefilling:
-                self._turn.notify_all()
-
-    def _wait_for_foreground(self) -> None:
-        with self._turn:
-            while self._prefilling and not self._closed:
-                self._turn.wait(0.5)
+                        self.context.seq_rm(spare, 0, -1)
+                        self._mirror[spare].clear()
 
     def generate(
         self,
@@ -381,9 +644,28 @@ class Engine(Closeable):
             raise GenerationError("empty prompt")
         if len(prompt) >= self.n_ctx:
             raise GenerationError(f"prompt of {len(prompt)} tokens does not fit n_ctx={self.n_ctx}")
-        return Generation(
-            self, seq_id, prompt, settings or GenerationSettings(), eviction, history_start
+        return self._generation(
+            prompt, seq_id, settings or GenerationSettings(), eviction, history_start, False
         )
+
+    def _generation(
+        self,
+        prompt: Sequence[int],
+        seq_id: int,
+        settings: GenerationSettings,
+        eviction: str,
+        history_start: int | None,
+        background: bool,
+    ) -> Generation:
+        job = Job(
+            seq_id=seq_id,
+            prompt=list(prompt),
+            settings=settings,
+            eviction=eviction,
+            history_start=history_start,
+            background=background,
+        )
+        return Generation(self, job)
 
     def prefill(
         self,
@@ -402,189 +684,42 @@ class Engine(Closeable):
             history_start=history_start,
         ).wait(first_token_only=True)
 
-    def _prefill(
-        self, seq_id: int, prompt: list[int], eviction: str, history_start: int | None
-    ) -> tuple[KVReport, int]:
-        """Bring the KV cache of ``seq_id`` to ``prompt``; returns (report, logits index)."""
-        return bring_to(
+    @property
+    def batch_counters(self) -> BatchCounters:
+        """Decode steps, tokens and sequences per step so far (continuous batching)."""
+        return self._scheduler.counters
+
+    def _submit(self, job: Job) -> None:
+        with self._locked():
+            self._check_open()
+            self._scheduler.submit(job)
+
+    def _admit(self, job: Job) -> tuple[KVReport, int]:
+        """Bring the job's sequence to a prefix of its prompt (in the scheduler's step)."""
+        self._check_seq(job.seq_id)
+        spare = self.spare_seq
+        return prepare(
             self.context,
-            self._mirror[seq_id],
-            seq_id,
-            prompt,
-            eviction=eviction,
-            history_start=history_start,
-            spare=self.spare_seq,
-            spare_free=not self._spare_busy,
+            self._mirror[job.seq_id],
+            job.seq_id,
+            job.prompt,
+            eviction=job.eviction,
+            history_start=job.history_start,
+            spare=spare,
+            spare_free=not self._spare_busy and spare != job.seq_id,
             unified=self.config.kv_unified,
         )
 
-    def _redecode_last(self, seq_id: int) -> tuple[int, int]:
-        mirror = self._mirror[seq_id]
-        last = len(mirror) - 1
-        self.context.seq_rm(seq_id, last, -1)
-        index = self.context.decode(seq_id, [mirror[last]], last, want_last_logits=True)
-        return index, self.context.decode_count
 
-    def _background_prefill(self, seq_id: int, prompt: list[int]) -> tuple[KVReport, int, int]:
-        """Evaluate ``prompt`` from scratch in chunks, stepping aside for turns' prefills."""
-        chunk = 32
-        with self._lock:
-            self._check_open()
-            evicted = len(self._mirror[seq_id])
-            self.context.seq_rm(seq_id, 0, -1)
-            self._mirror[seq_id].clear()
-        index = serial = -1
-        for start in range(0, len(prompt), chunk):
-            self._wait_for_foreground()
-            with self._lock:
-                self._check_open()
-                part = prompt[start : start + chunk]
-                last = start + chunk >= len(prompt)
-                index = self.context.decode(seq_id, part, start, want_last_logits=last)
-                serial = self.context.decode_count
-                self._mirror[seq_id].extend(part)
-        report = KVReport(
-            policy="recompute",
-            reused_tokens=0,
-            evaluated_tokens=len(prompt),
-            evicted_tokens=evicted,
-            shifted_tokens=0,
-            shift_count=0,
-        )
-        return report, index, serial
+@dataclass
+class SwapCounters:
+    """Swaps so far, for the monitor."""
 
-    def _resync(self, seq_id: int) -> None:
-        # After a failed decode, drop whatever llama.cpp kept beyond the mirror.
-        self.context.seq_rm(seq_id, len(self._mirror[seq_id]), -1)
-
-    def _run(
-        self,
-        generation: Generation,
-        seq_id: int,
-        prompt: list[int],
-        settings: GenerationSettings,
-        eviction: str,
-        history_start: int | None,
-    ) -> Generator[str, None, None]:
-        t0 = time.perf_counter()
-        mirror = self._mirror[seq_id]
-        tokens: list[int] = []
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        report: KVReport | None = None
-        prefill_ms = 0.0
-        t_first: float | None = None
-        stop = "interrupted"
-        self._live.add(generation)
-        sampler: Sampler | None = None
-        in_front = False
-        try:
-            if generation.background:
-                report, index, serial = self._background_prefill(seq_id, prompt)
-            else:
-                # Background steps wait until this turn's first token is sampled.
-                self._foreground(+1)
-                in_front = True
-                with self._lock:
-                    self._check_open()
-                    report, index = self._prefill(seq_id, prompt, eviction, history_start)
-                    serial = self.context.decode_count  # logits belong to this decode
-            prefill_ms = (time.perf_counter() - t0) * 1000
-            with self._lock:
-                self._check_open()
-                sampler = Sampler(
-                    self.model,
-                    temperature=settings.temperature,
-                    top_k=settings.top_k,
-                    top_p=settings.top_p,
-                    min_p=settings.min_p,
-                    repeat_penalty=settings.repeat_penalty,
-                    repeat_last_n=settings.repeat_last_n,
-                    seed=settings.seed,
-                )
-            pending: int | None = None  # sampled, not yet decoded
-            for _ in range(settings.max_tokens):
-                if generation.background:
-                    self._wait_for_foreground()
-                # The lock is held for one step, never across a yield: other threads'
-                # generations (on other sequences) and close() get their turn between tokens.
-                with self._lock:
-                    if self._closed:
-                        stop = "closed"
-                        break
-                    if pending is not None:
-                        if len(mirror) >= self.n_ctx:
-                            stop = "context_full"
-                            break
-                        index = self.context.decode(
-                            seq_id, [pending], len(mirror), want_last_logits=True
-                        )
-                        serial = self.context.decode_count
-                        mirror.append(pending)
-                        pending = None
-                    if serial != self.context.decode_count:
-                        # Another sequence decoded since (another thread, a background
-                        # summary): its logits replaced ours. Decode our last token again.
-                        index, serial = self._redecode_last(seq_id)
-                    token = sampler.sample(self.context, index)
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                        if in_front:
-                            self._foreground(-1)
-                            in_front = False
-                        if generation.first_token_only:
-                            stop = "length"
-                            break
-                    if self.model.is_eog(token):
-                        stop = "eog"
-                        break
-                    tokens.append(token)
-                    chunk = decoder.decode(self.model.piece(token))
-                    pending = token  # the last token's logits are never needed
-                if chunk:
-                    generation.text += chunk
-                    yield chunk
-            else:
-                stop = "length"
-            tail = decoder.decode(b"", final=True)
-            if tail:
-                generation.text += tail
-                yield tail
-        except BaseException:
-            # A failed decode, or an interruption (Ctrl-C, close) between a decode and the
-            # mirror's update: drop whatever llama.cpp holds beyond the mirror.
-            with self._lock:
-                if not self._closed:
-                    self._resync(seq_id)
-            raise
-        finally:
-            if in_front:
-                self._foreground(-1)
-            self._live.discard(generation)
-            if sampler is not None:
-                sampler.close()
-            t_end = time.perf_counter()
-            decode_s = t_end - t_first if t_first is not None else 0.0
-            reused = report.reused_tokens if report else 0
-            generation.result = GenerationResult(
-                text=generation.text,
-                tokens=tuple(tokens),
-                usage=Usage(
-                    prompt_tokens=len(prompt),
-                    reused_tokens=reused,
-                    evaluated_tokens=len(prompt) - reused if report else 0,
-                    generated_tokens=len(tokens),
-                ),
-                timings=Timings(
-                    prefill_ms=prefill_ms,
-                    ttft_ms=(t_first - t0) * 1000 if t_first is not None else None,
-                    engine_ttft_ms=(t_first - t0) * 1000 if t_first is not None else None,
-                    decode_ms=decode_s * 1000,
-                    decode_tokens_per_s=(len(tokens) - 1) / decode_s
-                    if len(tokens) > 1 and decode_s > 0
-                    else None,
-                    total_ms=(t_end - t0) * 1000,
-                ),
-                stop_reason=stop,
-                kv=report,
-                started_at=t0,
-            )
+    swap_out: int = 0
+    swap_out_bytes: int = 0
+    swap_out_ms: float = 0.0
+    swap_in_ram: int = 0
+    swap_in_disk: int = 0
+    swap_in_bytes: int = 0
+    swap_in_ms: float = 0.0
+    reprefill: int = 0

@@ -246,6 +246,7 @@ class NativeContext:
         rope_freq_base: float | None = None,
         rope_freq_scale: float | None = None,
         yarn_orig_ctx: int | None = None,
+        n_ctx_seq: int | None = None,
     ) -> None:
         from chatctx.engine._memory import (
             KV_TYPE_IDS,
@@ -276,11 +277,12 @@ class NativeContext:
         params.yarn_orig_ctx = yarn_orig_ctx or 0
         # Positions one conversation can reach: a split stream's size; in a unified pool the
         # slot pool's share (n_seq_max - 1 conversations, one sequence kept for summaries).
-        n_ctx_seq = (
-            pad256(n_ctx // max(n_seq_max - 1, 1))
-            if kv_unified
-            else pad256(n_ctx // max(n_seq_max, 1))
-        )
+        if n_ctx_seq is None:
+            n_ctx_seq = (
+                pad256(n_ctx // max(n_seq_max - 1, 1))
+                if kv_unified
+                else pad256(n_ctx // max(n_seq_max, 1))
+            )
         warning = rope_warning(
             n_ctx_seq,
             info["n_ctx_train"],
@@ -313,6 +315,9 @@ class NativeContext:
         self._batch_live = True
         self._logit_rows: frozenset[int] = frozenset()  # batch rows with logits, last decode
         self.decode_count = 0  # decodes so far: logits belong to the latest one only
+        # Sequences shifted since the last decode: llama.cpp applies a shift to the keys at
+        # the next decode, so a state saved before it would hold unshifted keys.
+        self.shift_pending: set[int] = set()
 
     @property
     def closed(self) -> bool:
@@ -380,6 +385,8 @@ class NativeContext:
                 "this model's KV cache cannot shift positions", seq_id=seq_id, n_tokens=0, code=-1
             )
         ll.llama_memory_seq_add(memory, seq_id, p0, p1, delta)
+        if delta:
+            self.shift_pending.add(seq_id)
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         ll.llama_memory_seq_cp(self._mem(src, dst), src, dst, p0, p1)
@@ -422,8 +429,81 @@ class NativeContext:
                 index = len(chunk) - 1
             batch.n_tokens = len(chunk)
             _check_decode(ll.llama_decode(ctx, batch), seq_id=seq_id, n_tokens=len(chunk))
+            self.shift_pending.clear()
         self._logit_rows = frozenset({index}) if index >= 0 else frozenset()
         return index
+
+    def decode_many(self, parts: Sequence[tuple[int, Sequence[int], int, bool]]) -> list[int]:
+        """Evaluate several sequences' tokens in one ``llama_decode``.
+
+        ``parts``: ``(seq_id, tokens, start_pos, want_last_logits)``; together at most
+        ``n_batch`` tokens. Returns, per part, the batch index of its last token's logits
+        (or -1).
+        """
+        ctx = self.live
+        total = sum(len(tokens) for _, tokens, _, _ in parts)
+        if total > self.n_batch:
+            raise GenerationError(f"a batch of {total} tokens exceeds n_batch={self.n_batch}")
+        batch = self._batch
+        self._logit_rows = frozenset()
+        self.decode_count += 1
+        indices: list[int] = []
+        i = 0
+        for seq_id, tokens, start_pos, want_logits in parts:
+            self.check_seq(seq_id)
+            for offset, token in enumerate(tokens):
+                batch.token[i] = token
+                batch.pos[i] = start_pos + offset
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq_id
+                batch.logits[i] = 0
+                i += 1
+            if want_logits and tokens:
+                batch.logits[i - 1] = 1
+                indices.append(i - 1)
+            else:
+                indices.append(-1)
+        if not i:
+            return indices
+        batch.n_tokens = i
+        first = parts[0][0] if len(parts) == 1 else -1
+        _check_decode(ll.llama_decode(ctx, batch), seq_id=first, n_tokens=i)
+        self.shift_pending.clear()
+        self._logit_rows = frozenset(index for index in indices if index >= 0)
+        return indices
+
+    # sequence state (swap) ------------------------------------------------------------------
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """The KV state of ``seq_id`` (cells, positions, keys and values) as bytes."""
+        ctx = self.live
+        self.check_seq(seq_id)
+        if seq_id in self.shift_pending:
+            raise KVCacheError(
+                "sequence state cannot be saved between a shift and the next decode",
+                seq_id=seq_id,
+                n_tokens=0,
+                code=-1,
+            )
+        size = int(ll.llama_state_seq_get_size(ctx, seq_id))
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = int(ll.llama_state_seq_get_data(ctx, buffer, size, seq_id))
+        if written != size:
+            raise KVCacheError(
+                f"llama.cpp wrote {written} of {size} state bytes of sequence {seq_id}",
+                seq_id=seq_id,
+                n_tokens=0,
+                code=-1,
+            )
+        return bytes(buffer[:written])
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Load a state saved by ``state_seq_get`` into (empty) ``seq_id``; False if refused."""
+        ctx = self.live
+        self.check_seq(seq_id)
+        buffer = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        read = int(ll.llama_state_seq_set_data(ctx, buffer, len(data), seq_id))
+        return read == len(data) and read > 0
 
     def has_logits(self, index: int) -> bool:
         """Whether the last decode asked for logits at batch ``index``."""

@@ -49,6 +49,7 @@ class GenerationResult:
     stop_reason: str  # eog | length | context_full | interrupted | closed
     kv: KVReport | None = None
     started_at: float = 0.0  # time.perf_counter() when the engine began this generation
+    batch_max: int = 1  # most sequences decoded together in one step of this generation
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +74,8 @@ class ModelInfo:
     chat_template: str  # "gguf", "override" or a built-in format name
     gpu_offload: bool
     kv_bytes_per_token_f16: int | None
+    slots: int = 1  # conversations the KV cache is sized for, n_ctx tokens each
+    kv_cells: int = 0  # cells llama.cpp allocated for all slots and the summary sequence
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -14,7 +14,7 @@ from chatctx.engine._native import NativeContext
 logger = logging.getLogger("chatctx.engine")
 
 
-def bring_to(
+def prepare(
     ctx: NativeContext,
     mirror: list[int],
     seq_id: int,
@@ -26,9 +26,11 @@ def bring_to(
     spare_free: bool,
     unified: bool,
 ) -> tuple[KVReport, int]:
-    """Bring the KV cache of ``seq_id`` (mirrored by ``mirror``) to ``prompt``.
+    """Bring the KV cache of ``seq_id`` (mirrored by ``mirror``) to a prefix of ``prompt``.
 
-    Returns (report, batch index of the last token's logits). ``spare`` is the sequence used
+    Removes, shifts and parks what the plan says; returns (report, resume): the caller
+    evaluates ``prompt[resume:]`` (never empty: the last token's logits pick the reply's first
+    token) at positions ``resume...``, in one batch or in chunks. ``spare`` is the sequence used
     to park kept turns while inserted tokens (a changed summary) are evaluated in front of
     them; that needs a unified cache and a free spare, else the turns are re-evaluated.
     """
@@ -48,8 +50,6 @@ def bring_to(
         evicted = len(mirror) - reused
         ctx.seq_rm(seq_id, reused, -1)
         del mirror[reused:]
-        index = ctx.decode(seq_id, prompt[reused:], reused, want_last_logits=True)
-        mirror.extend(prompt[reused:])
         report = KVReport(
             policy=eviction,
             reused_tokens=reused,
@@ -59,7 +59,7 @@ def bring_to(
             shift_count=0,
             fallback=fallback,
         )
-        return report, index
+        return report, reused
     start, end = plan.chunk
     evicted = len(mirror) - plan.prefix - plan.chunk_len
     ctx.seq_rm(seq_id, end, -1)  # the old tail (previous reply) goes first
@@ -84,8 +84,6 @@ def bring_to(
             mirror.extend(kept)
         finally:
             ctx.seq_rm(spare, 0, -1)
-    index = ctx.decode(seq_id, prompt[plan.resume :], plan.resume, want_last_logits=True)
-    mirror.extend(prompt[plan.resume :])
     report = KVReport(
         policy=eviction,
         reused_tokens=plan.prefix + plan.chunk_len,
@@ -103,4 +101,4 @@ def bring_to(
         plan.delta,
         report.evaluated_tokens,
     )
-    return report, index
+    return report, plan.resume

@@ -137,8 +137,12 @@ def test_sequences_are_independent(llama3_engine: Engine) -> None:
 
 
 def test_full_kv_cache_is_a_kv_cache_error(tiny_llama3_path: Path) -> None:
-    # Two sequences share 256 cells: once seq 0 holds 200, 100 more for seq 1 cannot fit.
-    with Engine.load(tiny_llama3_path, n_ctx=256, n_seq_max=2, kv_unified=True) as engine:
+    # No summary room: the two sequences share 256 cells. Once seq 0 holds 200, 100 more
+    # for seq 1 cannot fit.
+    with Engine.load(
+        tiny_llama3_path, n_ctx=256, n_seq_max=2, kv_unified=True, summary_room=0
+    ) as engine:
+        assert engine.info().kv_cells == 256
         engine.generate(
             list(range(1000, 1200)), seq_id=0, settings=GenerationSettings(max_tokens=1)
         ).wait()

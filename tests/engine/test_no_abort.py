@@ -21,7 +21,7 @@ engine = Engine.load(sys.argv[1], n_ctx=256)
 """
 
 CASES = {
-    "attribute after close": "engine.close(); engine.n_ctx",
+    "info after close": "engine.close(); engine.info()",
     "kv cells after close": "engine.close(); engine.kv_usage()",
     "tokenize after close": "engine.close(); engine.tokenize('hi')",
     "clear unknown sequence": "engine.clear(7)",
@@ -30,14 +30,14 @@ CASES = {
     "generation iterated after close": (
         "g = engine.generate(engine.prompt_tokens([{'role': 'user', 'content': 'hi'}]));"
         "next(iter(g), None); engine.close(); list(g); print('ended', g.result.stop_reason);"
-        "engine.n_ctx"
+        "engine.info()"
     ),
     "logits at a bad index": "engine.context.logits(5)",
     "stream collected after its session closed": (
         "import gc\n"
         "chat = ChatSession.open('sqlite://', model=engine, settings={'max_tokens': 8})\n"
         "s = chat.stream('hello'); next(s); engine.close(); chat.close(); del s; gc.collect()\n"
-        "print('collected'); engine.n_ctx"
+        "print('collected'); engine.info()"
     ),
 }
 

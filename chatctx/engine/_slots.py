@@ -1,0 +1,194 @@
+"""The slot pool: conversations lease KV sequences of one engine.
+
+A conversation leases a slot while it has a turn in flight; when it comes back it finds its
+cache in the same slot unless another conversation needed one (the least recently used idle
+slot goes). The loser's state is swapped out (``_swap``) and loaded into whichever slot it
+gets next. The summary sequence is reserved and never leased.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from chatctx.engine._swap import SwapHit
+from chatctx.errors import ConfigError
+
+__all__ = ["Lease", "SlotPool"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A slot leased for one turn of conversation ``owner``; give it back with ``release``."""
+
+    owner: str
+    seq_id: int
+    swap_in: str | None = None  # "ram" | "disk": the cache was restored from a swap
+    swap_in_ms: float | None = None
+    swap_in_bytes: int | None = None
+    reprefill_reason: str | None = None  # a saved state existed but could not be used
+
+
+@dataclass
+class _Slot:
+    seq_id: int
+    owner: str | None = None
+    leased: bool = False
+    pinned: bool = False
+    last_use: float = 0.0  # time.monotonic()
+    last_use_wall: str | None = None
+
+
+class SlotPool:
+    """``n`` slots (sequences ``0..n-1``). The engine provides the KV operations.
+
+    ``swap_out(seq_id, owner)`` saves and clears a slot; ``swap_in(seq_id, owner)`` loads a
+    saved state into an empty slot and says how it went. Both run under the pool's lock (the
+    engine takes its own lock inside: pool before engine, never the other way).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        swap_out: Callable[[int, str], None],
+        swap_in: Callable[[int, str], tuple[SwapHit, float]],
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.slots = [_Slot(i) for i in range(n)]
+        self._swap_out = swap_out
+        self._swap_in = swap_in
+        self._on_change = on_change
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def owner_of(self, seq_id: int) -> str | None:
+        return self.slots[seq_id].owner if seq_id < len(self.slots) else None
+
+    def slot_of(self, owner: str) -> _Slot | None:
+        return next((s for s in self.slots if s.owner == owner), None)
+
+    def lease(self, owner: str, *, timeout: float | None = None) -> Lease:
+        """A slot for ``owner``'s turn: its own if still there, else a free or LRU idle one.
+
+        Waits while every slot is leased (or ``owner`` has a turn in flight); ``timeout``
+        seconds at most, then ``TimeoutError``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                self._check_open()
+                slot = self.slot_of(owner)
+                if slot is not None and not slot.leased:
+                    self._take(slot)
+                    return Lease(owner, slot.seq_id)
+                if slot is None:
+                    victim = self._victim()
+                    if victim is not None:
+                        if victim.owner is not None:
+                            self._swap_out(victim.seq_id, victim.owner)
+                            victim.owner = None
+                        victim.owner = owner
+                        self._take(victim)
+                        try:
+                            hit, ms = self._swap_in(victim.seq_id, owner)
+                        except BaseException:
+                            victim.leased = False
+                            victim.owner = None
+                            self._cv.notify_all()
+                            raise
+                        if hit.entry is None:
+                            return Lease(owner, victim.seq_id, reprefill_reason=hit.reason)
+                        return Lease(
+                            owner,
+                            victim.seq_id,
+                            swap_in=hit.where,
+                            swap_in_ms=ms,
+                            swap_in_bytes=hit.entry.size,
+                        )
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no slot free for conversation {owner!r}")
+                self._cv.wait(left)
+
+    def pin(self, owner: str, seq_id: int) -> None:
+        """Give ``owner`` slot ``seq_id`` for good (the expert ``seq_id=`` option)."""
+        with self._cv:
+            self._check_open()
+            if not 0 <= seq_id < len(self.slots):
+                raise ConfigError(
+                    f"sequence {seq_id} is not a slot: slots are 0..{len(self.slots) - 1}, "
+                    "the rest are reserved for summaries"
+                )
+            slot = self.slots[seq_id]
+            mine = self.slot_of(owner)
+            if mine is not None and mine is not slot:
+                if mine.leased or mine.pinned:
+                    raise ConfigError(f"conversation {owner!r} already holds slot {mine.seq_id}")
+                self._swap_out(mine.seq_id, owner)
+                mine.owner = None
+            if slot.owner not in (None, owner):
+                if slot.leased or slot.pinned:
+                    raise ConfigError(
+                        f"slot {seq_id} is held by conversation {slot.owner!r}; "
+                        "leave seq_id unset to lease a free one"
+                    )
+                self._swap_out(slot.seq_id, slot.owner)
+            if slot.owner != owner:
+                slot.owner = owner
+                self._swap_in(slot.seq_id, owner)
+            slot.pinned = True
+            self._on_change()
+
+    def unpin(self, owner: str) -> None:
+        with self._cv:
+            slot = self.slot_of(owner)
+            if slot is not None:
+                slot.pinned = False
+                self._cv.notify_all()
+            self._on_change()
+
+    def release(self, lease: Lease) -> None:
+        with self._cv:
+            slot = self.slots[lease.seq_id]
+            if slot.owner == lease.owner:
+                slot.leased = False
+                slot.last_use = time.monotonic()
+                slot.last_use_wall = datetime.now(UTC).isoformat()
+            self._cv.notify_all()
+            self._on_change()
+
+    def forget(self, seq_id: int) -> None:
+        """The slot's cache was cleared outside the pool: it belongs to no one now."""
+        with self._cv:
+            slot = self.slots[seq_id] if seq_id < len(self.slots) else None
+            if slot is not None and not slot.leased and not slot.pinned:
+                slot.owner = None
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from chatctx.errors import ClosedError
+
+            raise ClosedError("engine")
+
+    def _take(self, slot: _Slot) -> None:
+        slot.leased = True
+        slot.last_use = time.monotonic()
+        slot.last_use_wall = datetime.now(UTC).isoformat()
+        self._on_change()
+
+    def _victim(self) -> _Slot | None:
+        free = [s for s in self.slots if s.owner is None and not s.leased and not s.pinned]
+        if free:
+            return free[0]
+        idle = [s for s in self.slots if not s.leased and not s.pinned]
+        return min(idle, key=lambda s: s.last_use) if idle else None
