@@ -11,7 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from chatctx.errors import ConfigError
 
-__all__ = ["ContextSettings", "EngineConfig", "GenerationSettings", "Settings", "default_home"]
+__all__ = [
+    "ContextSettings",
+    "ConversationSettings",
+    "EngineConfig",
+    "GenerationSettings",
+    "Settings",
+    "default_home",
+]
 
 KVType = Literal["f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
@@ -90,6 +97,49 @@ class ContextSettings(_Model):
         if self.low > self.high:
             raise ValueError(f"low watermark {self.low} is above high watermark {self.high}")
         return self
+
+
+class ConversationSettings(_Model):
+    """Everything stored with a conversation: how replies are sampled and how history fits.
+
+    Parsed once from the stored JSON (``parse``); changes are merged with ``updated``.
+    """
+
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    context: ContextSettings = Field(default_factory=ContextSettings)
+
+    @classmethod
+    def parse(cls, stored: Mapping[str, Any] | None) -> ConversationSettings:
+        """Settings from a conversation's stored JSON; missing sections take the defaults."""
+        data = dict(stored or {})
+        try:
+            return cls.model_validate(
+                {"generation": data.get("generation") or {}, "context": data.get("context") or {}}
+            )
+        except ValidationError as exc:
+            raise ConfigError(f"invalid conversation settings: {exc}") from exc
+
+    def updated(
+        self,
+        *,
+        generation: Mapping[str, Any] | None = None,
+        context: Mapping[str, Any] | None = None,
+    ) -> ConversationSettings:
+        """A copy with some fields changed (validated: a bad value is a ConfigError)."""
+        try:
+            return ConversationSettings(
+                generation=GenerationSettings.model_validate(
+                    self.generation.model_dump() | dict(generation or {})
+                ),
+                context=ContextSettings.model_validate(
+                    self.context.model_dump() | dict(context or {})
+                ),
+            )
+        except ValidationError as exc:
+            raise ConfigError(f"invalid conversation settings: {exc}") from exc
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
 
 
 class EngineConfig(_Model):

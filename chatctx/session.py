@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import threading
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from chatctx._resource import Closeable
-from chatctx.config import ContextSettings, GenerationSettings
+from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.context import (
     BackgroundSummarizer,
     BuildResult,
@@ -33,7 +36,7 @@ from chatctx.context import (
     summarizer_for,
     summary_limit,
 )
-from chatctx.engine import Engine, GenerationResult, Timings, Usage
+from chatctx.engine import Backend, Engine, GenerationResult, Lease, Timings, Usage
 from chatctx.errors import ClosedError, ConfigError
 from chatctx.monitor import memory_snapshot
 from chatctx.store import Message, Store, Turn
@@ -58,20 +61,22 @@ class Reply:
 
 
 class ChatSession(Closeable):
-    """A conversation stored in a ``Store`` and answered by an ``Engine``.
+    """A conversation stored in a ``Store`` and answered by a backend (an ``Engine``).
 
     The user message is committed before generation starts; the assistant message when it
-    ends, or marked ``partial`` if the reply is interrupted. Close the session (or use
-    ``with``) to release what it opened; a store or engine passed in stays open.
+    ends, or marked ``partial`` if the reply is interrupted. Each turn leases one of the
+    engine's slots: many sessions (threads, or ``asend``/``astream`` on asyncio) share one
+    engine, their generations batched together. Close the session (or use ``with``) to
+    release what it opened; a store or engine passed in stays open.
     """
 
     def __init__(
         self,
         *,
         store: Store,
-        engine: Engine,
+        engine: Backend,
         conversation_id: str,
-        seq_id: int = 0,
+        seq_id: int | None = None,
         summarizer: Summarizer | None = None,
         on_turn: Callable[[Turn], None] | None = None,
         owns_store: bool = False,
@@ -80,7 +85,11 @@ class ChatSession(Closeable):
         self.store = store
         self.engine = engine
         self.conversation_id = conversation_id
+        # Set: the expert option, this slot for good. None: a slot is leased per turn (the
+        # slot of the last turn is kept here).
         self.seq_id = seq_id
+        self._pinned = seq_id is not None
+        self._lease: Lease | None = None
         self._custom_summarizer = summarizer
         self.on_turn = on_turn
         self._owns_store = owns_store
@@ -90,26 +99,31 @@ class ChatSession(Closeable):
         self.last_reply: Reply | None = None
         self.last_build: BuildResult | None = None  # the context sent on the last turn
         self._closed = False
+        if seq_id is not None:
+            engine.pin(conversation_id, seq_id)
 
     @classmethod
     def open(
         cls,
-        db: str | Store = "sqlite:///chatctx.db",
+        db: str | Store | None = None,
         *,
         conversation_id: str | None = None,
-        model: str | Path | Engine | None = None,
+        model: str | Path | Backend | None = None,
         system_prompt: str | None = None,
         settings: GenerationSettings | Mapping[str, Any] | None = None,
         context: ContextSettings | Mapping[str, Any] | None = None,
         summarizer: Summarizer | None = None,
         on_turn: Callable[[Turn], None] | None = None,
         engine_options: Mapping[str, Any] | None = None,
-        seq_id: int = 0,
+        seq_id: int | None = None,
     ) -> ChatSession:
         """Open (or create) a conversation.
 
-        ``db`` is a SQLAlchemy URL or an open ``Store``. ``model`` is a GGUF path, a loaded
-        ``Engine`` (shared, left open), or None for ``CHATCTX_MODEL`` / the embedded default.
+        ``db`` is a SQLAlchemy URL, an open ``Store``, or None for ``CHATCTX_DB`` (default
+        ``$CHATCTX_HOME/chatctx.db``, the CLI's database). ``model`` is a GGUF path, a
+        loaded ``Engine`` or other backend (shared, left open), or None for
+        ``CHATCTX_MODEL`` / the embedded default. ``seq_id`` pins the conversation to one
+        slot (expert option); by default each turn leases a slot from the engine's pool.
         ``system_prompt``, ``settings`` (generation) and ``context`` (budget, policy,
         summarizer), when given, are stored with the conversation. ``summarizer`` is a callable
         ``(previous_summary, evicted_messages) -> summary`` used instead of the configured one.
@@ -118,6 +132,8 @@ class ChatSession(Closeable):
         generation = _settings(settings) if settings is not None else None
         context_settings = _context_settings(context) if context is not None else None
         owns_store = not isinstance(db, Store)
+        if db is None:
+            db = Settings.from_env().db
         store = Store(db) if isinstance(db, str) else db
         try:
             cid = conversation_id
@@ -142,12 +158,11 @@ class ChatSession(Closeable):
                 cid = store.create_conversation(
                     cid, system_prompt=system_prompt, settings=defaults | updates
                 ).id
-            owns_engine = not isinstance(model, Engine)
-            engine = (
+            owns_engine = not isinstance(model, Backend)
+            engine: Backend = (
                 model
-                if isinstance(model, Engine)
-                # A spare sequence for side-sequence summaries and in-place reordering.
-                else Engine.load(model, **({"n_seq_max": 2} | dict(engine_options or {})))
+                if isinstance(model, Backend)
+                else Engine.load(model, **(engine_options or {}))
             )
         except BaseException:
             if owns_store:
@@ -171,6 +186,8 @@ class ChatSession(Closeable):
         if self._closed:
             return
         self._closed = True
+        if self._pinned and not self.engine.closed:
+            self.engine.unpin(self.conversation_id)
         if self._owns_engine:
             self.engine.close()
         if self._owns_store:
@@ -190,15 +207,18 @@ class ChatSession(Closeable):
     def system_prompt(self) -> str | None:
         return self.store.get_conversation(self.conversation_id).system_prompt
 
+    def conversation_settings(self) -> ConversationSettings:
+        """The stored settings, parsed (once per call)."""
+        stored = self.store.get_conversation(self.conversation_id).settings
+        return ConversationSettings.parse(stored)
+
     @property
     def settings(self) -> GenerationSettings:
-        stored = self.store.get_conversation(self.conversation_id).settings
-        return _settings(stored.get("generation") or {})
+        return self.conversation_settings().generation
 
     @property
     def context_settings(self) -> ContextSettings:
-        stored = self.store.get_conversation(self.conversation_id).settings
-        return _context_settings(stored.get("context") or {})
+        return self.conversation_settings().context
 
     def history(self) -> list[Message]:
         """Every stored message of this conversation, in order (never trimmed)."""
@@ -248,43 +268,25 @@ class ChatSession(Closeable):
         return self._builder
 
     def _side_sequence(self) -> bool:
-        """Whether summaries can run on a sequence of their own (the engine's spare)."""
-        spare = self.engine.spare_seq
-        return spare is not None and spare != self.seq_id
+        """Whether summaries can run on a sequence of their own (the engine's reserved one)."""
+        return self.engine.side_room > 0
 
     def budget(self) -> tuple[int, int]:
         """(prompt token budget, tokens reserved for the reply).
 
-        With the LLM summarizer on a spare sequence of a unified KV cache, the summary request
-        shares the cells: its room is kept out of the chat's budget.
+        The budget is what one slot holds less the reply's reserve; summaries have cells of
+        their own (the engine's summary room), so they never take from it.
         """
-        stored = self.store.get_conversation(self.conversation_id).settings
-        return self._budget(
-            _context_settings(stored.get("context") or {}),
-            _settings(stored.get("generation") or {}),
-        )
+        stored = self.conversation_settings()
+        return self._budget(stored.context, stored.generation)
 
     def _budget(self, settings: ContextSettings, generation: GenerationSettings) -> tuple[int, int]:
         reserve = settings.reserve if settings.reserve is not None else generation.max_tokens
-        side_room = self._side_room(settings)
-        limit = self.engine.n_ctx - reserve - side_room
+        limit = self.engine.n_ctx - reserve
         budget = min(settings.budget, limit) if settings.budget is not None else limit
         if budget < 16:
-            raise ConfigError(
-                f"no room for a prompt: n_ctx {self.engine.n_ctx}, reserve {reserve}, "
-                f"summary room {side_room}"
-            )
+            raise ConfigError(f"no room for a prompt: n_ctx {self.engine.n_ctx}, reserve {reserve}")
         return budget, reserve
-
-    def _side_room(self, settings: ContextSettings) -> int:
-        spare = self.engine.spare_seq
-        if settings.summarizer != "llm" or spare is None or spare == self.seq_id:
-            return 0
-        if not self.engine.config.kv_unified:
-            return 0  # split streams: the spare sequence has cells of its own
-        # The summary written is at most summary_limit(...) tokens (what the summarizer gets).
-        written = summary_limit(settings.summary_max_tokens, settings.budget or self.engine.n_ctx)
-        return self._summary_input_tokens() + written
 
     def plan(self, new_message: str) -> BuildResult:
         """Build the context for ``new_message`` without sending or storing anything.
@@ -296,8 +298,8 @@ class ChatSession(Closeable):
     def _build(self, new_message: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
         """The context for ``new_message``, with the settings it was built under (one read)."""
         conversation = self.store.get_conversation(self.conversation_id)
-        generation = _settings(conversation.settings.get("generation") or {})
-        context = _context_settings(conversation.settings.get("context") or {})
+        parsed = ConversationSettings.parse(conversation.settings)
+        generation, context = parsed.generation, parsed.context
         stored = self.store.context_state(self.conversation_id)
         state = ContextState(
             window_start=stored.window_start,
@@ -319,8 +321,16 @@ class ChatSession(Closeable):
         return built, generation, context
 
     def _summary_input_tokens(self) -> int:
-        # Evicted turns are folded in chunks of this many tokens.
-        return max(128, min(1024, self.engine.n_ctx // 4))
+        # Evicted turns are folded in chunks of this many tokens; with the summary's output
+        # and instructions they fit the engine's summary room.
+        chunk = max(128, min(1024, self.engine.n_ctx // 4))
+        if self._side_sequence():
+            settings = self.context_settings
+            written = summary_limit(
+                settings.summary_max_tokens, settings.budget or self.engine.n_ctx
+            )
+            chunk = min(chunk, self.engine.side_room - written - 160)
+        return max(32, chunk)
 
     def _summary_generate(
         self,
@@ -347,7 +357,8 @@ class ChatSession(Closeable):
             return self.engine.side_generate(
                 prompt, settings=sampling, background=background, deadline=deadline
             )
-        generation = self.engine.generate(prompt, seq_id=self.seq_id, settings=sampling)
+        assert self._lease is not None, "summaries run while the turn holds its slot"
+        generation = self.engine.generate(prompt, seq_id=self._lease.seq_id, settings=sampling)
         try:
             for _ in generation:
                 if time.monotonic() > deadline:
@@ -360,20 +371,99 @@ class ChatSession(Closeable):
 
     def send(self, text: str) -> Reply:
         """Send a user message and wait for the whole reply."""
-        for _ in self.stream(text):
+        replies: list[Reply] = []
+        for _ in self._open_stream(text, replies):
             pass
-        assert self.last_reply is not None
-        return self.last_reply
+        return replies[0]
 
     def stream(self, text: str) -> Generator[str, None, None]:
         """Send a user message and yield the reply as it is generated.
 
         Raises ``ContextBudgetError`` before storing anything when the prompt cannot fit.
-        Time to first token is counted from this call.
+        Time to first token is counted from this call, which waits while every slot of the
+        engine is leased.
         """
+        return self._open_stream(text, None)
+
+    async def asend(self, text: str) -> Reply:
+        """``send`` for asyncio: the turn runs in a worker thread, batched with the others."""
+        replies: list[Reply] = []
+        async for _ in self._astream(text, replies):
+            pass
+        return replies[0]
+
+    def astream(self, text: str) -> AsyncIterator[str]:
+        """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
+
+        Leaving the loop early ends the reply (stored as ``partial``), as with ``stream``.
+        """
+        return self._astream(text, None)
+
+    async def _astream(self, text: str, replies: list[Reply] | None) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        stop = threading.Event()
+
+        def put(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(chunks.put_nowait, (kind, value))
+
+        def work() -> None:
+            try:
+                stream = self._open_stream(text, replies)
+                try:
+                    for chunk in stream:
+                        put("chunk", chunk)
+                        if stop.is_set():
+                            break
+                finally:
+                    stream.close()
+            except BaseException as exc:  # handed to the awaiting task
+                put("error", exc)
+            finally:
+                put("end", None)
+
+        worker = threading.Thread(target=work, name="chatctx-astream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                kind, value = await chunks.get()
+                if kind == "chunk":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    break
+        finally:
+            stop.set()
+            await asyncio.to_thread(worker.join)
+
+    def _open_stream(self, text: str, replies: list[Reply] | None) -> Generator[str, None, None]:
         requested = time.perf_counter()
-        built, generation, context = self._prepare(text)
-        return self._stream(text, built, generation, context.eviction, requested)
+        lease = self._lease_slot()
+        try:
+            built, generation, context = self._prepare(text)
+            stream = self._stream(
+                text, built, generation, context.eviction, requested, lease, replies
+            )
+        except BaseException:
+            self._release(lease)
+            raise
+        # A stream dropped before its first chunk never runs its cleanup: give the slot back.
+        weakref.finalize(stream, self._release, lease)
+        return stream
+
+    def _lease_slot(self) -> Lease:
+        self._check_open()
+        lease = self.engine.lease(self.conversation_id)
+        self._lease = lease
+        self.seq_id = lease.seq_id
+        return lease
+
+    def _release(self, lease: Lease) -> None:
+        if self._lease is lease:
+            self._lease = None
+        if not self.engine.closed:
+            self.engine.release(lease)
 
     def record_turn(self, text: str, reply: str | Sequence[Mapping[str, Any]]) -> Reply:
         """A teacher-forced turn: fit and prefill the context, then store ``reply`` as given.
@@ -384,16 +474,30 @@ class ChatSession(Closeable):
         format: assistant tool calls, tool results, the final answer).
         """
         requested = time.perf_counter()
+        lease = self._lease_slot()
+        try:
+            return self._record_turn(text, reply, requested, lease)
+        finally:
+            self._release(lease)
+
+    def _record_turn(
+        self,
+        text: str,
+        reply: str | Sequence[Mapping[str, Any]],
+        requested: float,
+        lease: Lease,
+    ) -> Reply:
         built, _, context = self._prepare(text)
         built_at = time.perf_counter()
         user = self.store.add_message(self.conversation_id, "user", text)
         stored_at = time.perf_counter()
-        result = self.engine.prefill(
+        result = self.engine.generate(
             built.tokens,
-            seq_id=self.seq_id,
+            seq_id=lease.seq_id,
+            settings=GenerationSettings(max_tokens=1, temperature=0.0),
             eviction=context.eviction,
             history_start=built.plan.history_start,
-        )
+        ).wait(first_token_only=True)
         logged = (
             [{"role": "assistant", "content": reply}]
             if isinstance(reply, str)
@@ -402,16 +506,21 @@ class ChatSession(Closeable):
         first_text = next((m["content"] for m in logged if m["role"] == "assistant"), "")
         clock = (requested, built_at, stored_at)
         if logged and logged[0]["role"] == "assistant" and not logged[0].get("tool_calls"):
-            self._finish(user, replace(result, text=logged[0]["content"]), built.plan, clock)
+            stored = self._finish(
+                user, replace(result, text=logged[0]["content"]), built.plan, clock, lease
+            )
             logged = logged[1:]
         else:  # the turn record points at no single assistant message
-            self._finish(user, replace(result, text=""), built.plan, clock, store_reply=False)
+            stored = self._finish(
+                user, replace(result, text=""), built.plan, clock, lease, store_reply=False
+            )
         if logged:
             self.store.add_messages(self.conversation_id, logged)
-        assert self.last_reply is not None
-        if first_text != self.last_reply.text:
-            self.last_reply = replace(self.last_reply, text=first_text)
-        return self.last_reply
+        assert stored is not None
+        if first_text != stored.text:
+            stored = replace(stored, text=first_text)
+            self.last_reply = stored
+        return stored
 
     def _prepare(self, text: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
         """Build the context for ``text`` and persist what the builder decided."""
@@ -446,22 +555,31 @@ class ChatSession(Closeable):
         settings: GenerationSettings,
         eviction: str,
         requested: float,
+        lease: Lease,
+        replies: list[Reply] | None,
     ) -> Generator[str, None, None]:
-        built_at = time.perf_counter()
-        user = self.store.add_message(self.conversation_id, "user", text)
-        stored_at = time.perf_counter()
-        generation = self.engine.generate(
-            built.tokens,
-            seq_id=self.seq_id,
-            settings=settings,
-            eviction=eviction,
-            history_start=built.plan.history_start,
-        )
         try:
-            yield from generation
+            built_at = time.perf_counter()
+            user = self.store.add_message(self.conversation_id, "user", text)
+            stored_at = time.perf_counter()
+            generation = self.engine.generate(
+                built.tokens,
+                seq_id=lease.seq_id,
+                settings=settings,
+                eviction=eviction,
+                history_start=built.plan.history_start,
+            )
+            try:
+                yield from generation
+            finally:
+                generation.close()
+                reply = self._finish(
+                    user, generation.result, built.plan, (requested, built_at, stored_at), lease
+                )
+                if replies is not None and reply is not None:
+                    replies.append(reply)
         finally:
-            generation.close()
-            self._finish(user, generation.result, built.plan, (requested, built_at, stored_at))
+            self._release(lease)
 
     def _finish(
         self,
@@ -469,16 +587,17 @@ class ChatSession(Closeable):
         result: GenerationResult | None,
         plan: ContextPlan,
         clock: tuple[float, float, float],
+        lease: Lease,
         *,
         store_reply: bool = True,
-    ) -> None:
+    ) -> Reply | None:
         """Store the reply and the turn's figures. ``clock``: perf_counter() stamps of the
         request, of the context being built and of the user message being stored."""
         if result is None:  # interrupted before the engine started
-            return
+            return None
         if self.store.closed:
             logger.warning("reply of %s not stored: the store is closed", self.conversation_id)
-            return
+            return None
         complete = result.stop_reason in ("eog", "length")
         kv = result.kv
         timings = _request_timings(result, plan, clock)
@@ -500,8 +619,8 @@ class ChatSession(Closeable):
             self.conversation_id,
             user_message_id=user.id,
             assistant_message_id=assistant.id if assistant else None,
-            model=str(self.engine.config.model_path.name),
-            seq_id=self.seq_id,
+            model=self.engine.model_name,
+            seq_id=lease.seq_id,
             n_ctx=self.engine.n_ctx,
             prompt_tokens=result.usage.prompt_tokens,
             reused_tokens=result.usage.reused_tokens,
@@ -530,8 +649,14 @@ class ChatSession(Closeable):
             rss_bytes=memory.rss_bytes,
             gpu_used_bytes=memory.gpu_used_bytes,
             gpu_free_bytes=memory.gpu_free_bytes,
+            slot=lease.seq_id,
+            swap_in=lease.swap_in,
+            swap_in_ms=lease.swap_in_ms,
+            swap_in_bytes=lease.swap_in_bytes,
+            reprefill_reason=lease.reprefill_reason,
+            batch_max=result.batch_max,
         )
-        self.last_reply = Reply(
+        reply = Reply(
             text=result.text,
             user_message_id=user.id,
             message_id=assistant.id if assistant else None,
@@ -554,8 +679,10 @@ class ChatSession(Closeable):
             turn.cells_used,
             turn.ttft_ms,
         )
+        self.last_reply = reply
         if self.on_turn is not None:
             self.on_turn(turn)
+        return reply
 
 
 def _request_timings(

@@ -81,12 +81,8 @@ def chat(
         ) as session,
     ):
         if overrides:
-            stored = session.settings.model_dump() | overrides
-            session.store.update_conversation(
-                session.conversation_id,
-                settings=session.store.get_conversation(session.conversation_id).settings
-                | {"generation": stored},
-            )
+            merged = session.conversation_settings().updated(generation=overrides)
+            session.store.update_conversation(session.conversation_id, settings=merged.to_json())
         info = session.engine.info()
         console.print(
             f"[dim]conversation {session.conversation_id} · {info.path.name} · "

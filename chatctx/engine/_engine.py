@@ -262,6 +262,10 @@ class Engine(Closeable):
         return self._n_ctx
 
     @property
+    def model_name(self) -> str:
+        return self.config.model_path.name
+
+    @property
     def side_room(self) -> int:
         """Tokens a side generation (a summary: prompt and output) may use."""
         if self.spare_seq is None:

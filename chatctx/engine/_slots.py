@@ -8,6 +8,7 @@ gets next. The summary sequence is reserved and never leased.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ class Lease:
     swap_in_ms: float | None = None
     swap_in_bytes: int | None = None
     reprefill_reason: str | None = None  # a saved state existed but could not be used
+    ticket: int = 0  # tells this lease from a later one of the same slot
 
 
 @dataclass
@@ -40,6 +42,8 @@ class _Slot:
     pinned: bool = False
     last_use: float = 0.0  # time.monotonic()
     last_use_wall: str | None = None
+    ticket: int = 0
+    thread: int | None = None  # the thread holding the lease
 
 
 class SlotPool:
@@ -64,6 +68,7 @@ class SlotPool:
         self._on_change = on_change
         self._cv = threading.Condition()
         self._closed = False
+        self._tickets = itertools.count(1)
 
     def owner_of(self, seq_id: int) -> str | None:
         return self.slots[seq_id].owner if seq_id < len(self.slots) else None
@@ -82,9 +87,13 @@ class SlotPool:
             while True:
                 self._check_open()
                 slot = self.slot_of(owner)
+                if slot is not None and slot.leased and slot.thread == threading.get_ident():
+                    raise ConfigError(
+                        f"conversation {owner!r} already has a turn in flight in this thread"
+                    )
                 if slot is not None and not slot.leased:
                     self._take(slot)
-                    return Lease(owner, slot.seq_id)
+                    return Lease(owner, slot.seq_id, ticket=slot.ticket)
                 if slot is None:
                     victim = self._victim()
                     if victim is not None:
@@ -97,17 +106,24 @@ class SlotPool:
                             hit, ms = self._swap_in(victim.seq_id, owner)
                         except BaseException:
                             victim.leased = False
+                            victim.thread = None
                             victim.owner = None
                             self._cv.notify_all()
                             raise
                         if hit.entry is None:
-                            return Lease(owner, victim.seq_id, reprefill_reason=hit.reason)
+                            return Lease(
+                                owner,
+                                victim.seq_id,
+                                reprefill_reason=hit.reason,
+                                ticket=victim.ticket,
+                            )
                         return Lease(
                             owner,
                             victim.seq_id,
                             swap_in=hit.where,
                             swap_in_ms=ms,
                             swap_in_bytes=hit.entry.size,
+                            ticket=victim.ticket,
                         )
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -154,8 +170,9 @@ class SlotPool:
     def release(self, lease: Lease) -> None:
         with self._cv:
             slot = self.slots[lease.seq_id]
-            if slot.owner == lease.owner:
+            if slot.owner == lease.owner and slot.leased and slot.ticket == lease.ticket:
                 slot.leased = False
+                slot.thread = None
                 slot.last_use = time.monotonic()
                 slot.last_use_wall = datetime.now(UTC).isoformat()
             self._cv.notify_all()
@@ -182,6 +199,8 @@ class SlotPool:
 
     def _take(self, slot: _Slot) -> None:
         slot.leased = True
+        slot.ticket = next(self._tickets)
+        slot.thread = threading.get_ident()
         slot.last_use = time.monotonic()
         slot.last_use_wall = datetime.now(UTC).isoformat()
         self._on_change()
