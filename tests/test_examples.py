@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ast
 import csv
+import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from click.testing import CliRunner
@@ -33,71 +35,126 @@ def run(script: str, *args: str, cwd: Path) -> tuple[str, str]:
     return result.stdout, result.stderr
 
 
+def example_module(script: str) -> ModuleType:
+    """The example itself, imported: its data is the oracle for what it must have done."""
+    spec = importlib.util.spec_from_file_location(
+        script.removesuffix(".py"), ROOT / "examples" / script
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 TURN_LINE = re.compile(
-    r"^(?P<customer>cust-\d+) turn (?P<id>\d+): prompt (?P<prompt>\d+) tok "
-    r"\(reused (?P<reused>\d+), evaluated (?P<evaluated>\d+), evicted (?P<evicted>\d+), "
-    r"shifted (?P<shifted>\d+)\), KV cells (?P<cells>\{.*\}), TTFT (?P<ttft>\d+) ms$",
+    r"^(?P<customer>cust-\d+) turn (?P<id>\d+): slot (?P<slot>\d+), swap-in "
+    r"(?P<swap>ram|disk|none)(?: \((?P<kib>[\d.]+) KiB, (?P<ms>[\d.]+) ms\))?, "
+    r"prompt (?P<prompt>\d+) tok \(reused (?P<reused>\d+), evaluated (?P<evaluated>\d+)\), "
+    r"batch max (?P<batch>\d+), TTFT (?P<ttft>\d+) ms$",
     re.MULTILINE,
 )
-EXCHANGE = re.compile(r"\n\[(cust-\d+)\] ([^\n]*)\n\[ava\] (.*?)\n(?=\n\[cust-|\Z)", re.DOTALL)
+POOL_SUMMARY = re.compile(
+    r"\npool: (?P<slots>\d+) slots of (?P<n_ctx>\d+) tokens \((?P<cells>\d+) KV cells\) for "
+    r"(?P<customers>\d+) customers\nswap-ins: (?P<ram>\d+) from RAM, (?P<disk>\d+) from disk "
+    r"\([\d.]+ MiB, \d+ ms\); swap-outs: (?P<out>\d+); re-prefills: (?P<reprefill>\d+)\n"
+    r"batching: (?P<steps>\d+) decode steps, (?P<mean>[\d.]+) sequences per step on average, "
+    r"(?P<max>\d+) at most\n\Z"
+)
 
 
 def test_support_bot(tmp_path: Path, tiny_llama3_path: Path) -> None:
+    inbox: dict[str, list[str]] = example_module("support_bot.py").INBOX
+    slots = 2
+    assert len(inbox) > slots  # the point of the example: more customers than slots
     db = f"sqlite:///{tmp_path / 'bot.db'}"
     out, log = run(
         "support_bot.py",
-        *("--model", str(tiny_llama3_path), "--max-tokens", "4", "--n-ctx", "512", "--db", db),
+        *("--model", str(tiny_llama3_path), "--max-tokens", "4", "--n-ctx", "512"),
+        *("--slots", str(slots), "--db", db),
         cwd=tmp_path,
     )
-    printed = [m.groupdict() for m in TURN_LINE.finditer(log)]
-    exchanges = EXCHANGE.findall(out)
-    assert [c for c, _ in [(p["customer"], 0) for p in printed]] == [c for c, _, _ in exchanges]
-    assert len(printed) == 5
-    slots = {"cust-42": "0", "cust-77": "1"}  # one KV sequence per customer, sorted
+    printed = {int(m["id"]): m.groupdict() for m in TURN_LINE.finditer(log)}
     with (
         Store(db) as store,
-        Engine.load(tiny_llama3_path, n_ctx=512, n_threads=1) as engine,
+        Engine.load(tiny_llama3_path, n_ctx=512, slots=slots, n_threads=1) as engine,
     ):
-        turns = {t.id: t for c in slots for t in store.turns(c)}
-        history = {c: store.messages(c) for c in slots}
-        system = {c: store.get_conversation(c).system_prompt for c in slots}
-        previous: dict[str, dict[str, int]] = {}  # llama.cpp's cells after each customer's turn
-        seen = {c: 0 for c in slots}
-        for line, (customer, text, reply) in zip(printed, exchanges, strict=True):
-            turn = turns[int(line["id"])]
-            cells = ast.literal_eval(line["cells"])
-            # The line prints the stored turn record.
-            figures = ("prompt", "reused", "evaluated", "evicted", "shifted")
-            assert [int(line[k]) for k in figures] == [
-                turn.prompt_tokens,
-                turn.reused_tokens,
-                turn.evaluated_tokens,
-                turn.evicted_tokens,
-                turn.shifted_tokens,
-            ]
-            assert cells == turn.cells_used and turn.conversation_id == customer
-            # The stored messages: the user's text and the streamed reply, in order.
-            user, answer = history[customer][seen[customer] : seen[customer] + 2]
-            seen[customer] += 2
-            assert (user.content, answer.content) == (text, reply)
-            # The prompt, recounted with llama.cpp's tokenizer from the stored conversation.
-            sent = [{"role": "system", "content": system[customer]}] + [
-                m.to_openai() for m in history[customer][: seen[customer] - 1]
-            ]
-            assert turn.prompt_tokens == len(engine.prompt_tokens(sent))
-            # llama.cpp's cells for this customer's sequence: what it reused plus what it
-            # evaluated (the prompt), then each generated token but the last one sampled.
-            decoded = turn.generated_tokens - (turn.stop_reason == "length")
-            slot = slots[customer]
-            assert cells[slot] == turn.reused_tokens + turn.evaluated_tokens + decoded
-            # What was cached before and not reused was removed; the other customer's
-            # sequence was not touched.
-            before = previous.get(customer, {}).get(slot, 0)
-            assert turn.evicted_tokens == before - turn.reused_tokens
-            for other, seq in slots.items():
-                if other != customer and other in previous:
-                    assert cells[seq] == previous[other][seq]
-            previous[customer] = cells
+        history = {c: store.messages(c) for c in inbox}
+        turns = {c: store.turns(c) for c in inbox}
+        system = {c: store.get_conversation(c).system_prompt for c in inbox}
+        kv_cells = engine.info().kv_cells
+        # Every customer's history: their messages in order, one stored reply to each.
+        for customer, messages in inbox.items():
+            roles = [m.role for m in history[customer]]
+            assert roles == ["user", "assistant"] * len(messages)
+            assert [m.content for m in history[customer][::2]] == messages
+            assert len(turns[customer]) == len(messages)
+        # The replies were printed round by round, in inbox order, each whole.
+        exchanges = "".join(
+            f"\n[{c}] {messages[r]}\n[ava] {history[c][2 * r + 1].content}\n"
+            for r in range(max(map(len, inbox.values())))
+            for c, messages in inbox.items()
+            if r < len(messages)
+        )
+        assert out.startswith(exchanges)
+        for customer in inbox:
+            previous = None
+            for i, turn in enumerate(turns[customer]):
+                # The log line prints the stored turn record.
+                line = printed.pop(turn.id)
+                assert line["customer"] == customer and int(line["slot"]) == turn.slot
+                assert line["swap"] == (turn.swap_in or "none")
+                if turn.swap_in:
+                    assert line["kib"] == f"{(turn.swap_in_bytes or 0) / 1024:.1f}"
+                assert [int(line[k]) for k in ("prompt", "reused", "evaluated", "batch")] == [
+                    turn.prompt_tokens,
+                    turn.reused_tokens,
+                    turn.evaluated_tokens,
+                    turn.batch_max,
+                ]
+                assert line["ttft"] == f"{turn.ttft_ms or 0:.0f}"
+                # Leased from the pool (no pinned seq_id), on one of --slots slots.
+                assert turn.slot is not None and 0 <= turn.slot < slots
+                assert turn.slot == turn.seq_id and turn.reprefill_reason is None
+                # The prompt, recounted from the stored conversation up to this message.
+                sent = [{"role": "system", "content": system[customer]}] + [
+                    m.to_openai() for m in history[customer][: 2 * i + 1]
+                ]
+                assert history[customer][2 * i].id == turn.user_message_id
+                assert turn.prompt_tokens == len(engine.prompt_tokens(sent))
+                # llama.cpp's cells of the turn's slot when it ended: what it reused plus
+                # what it evaluated, then each generated token but the last one sampled.
+                decoded = turn.generated_tokens - (turn.stop_reason == "length")
+                assert turn.cells_used is not None
+                assert turn.cells_used[str(turn.slot)] == turn.prompt_tokens + decoded
+                assert turn.reused_tokens + turn.evaluated_tokens == turn.prompt_tokens
+                if previous is None:  # a fresh conversation: nothing cached to reuse
+                    assert turn.reused_tokens == 0 and turn.swap_in is None
+                elif turn.swap_in or turn.slot == previous.slot:
+                    # Its cache was still there or came back from the swap: the previous
+                    # prompt is reused, only the reply and the new message are evaluated.
+                    assert turn.reused_tokens >= previous.prompt_tokens
+                previous = turn
+        assert printed == {}  # no log line without a stored turn
+    stored = [t for ts in turns.values() for t in ts]
+    swapped = [t for t in stored if t.swap_in == "ram"]
+    assert swapped, "more customers than slots: some came back to a swapped-out cache"
+    # The pool summary counts what the stored turns record.
+    summary = POOL_SUMMARY.search(out)
+    assert summary is not None, out[-1000:]
+    assert out == exchanges + summary.group(0)
+    assert [int(summary[k]) for k in ("slots", "n_ctx", "cells", "customers")] == [
+        slots,
+        512,
+        kv_cells,
+        len(inbox),
+    ]
+    assert (int(summary["ram"]), int(summary["disk"])) == (len(swapped), 0)
+    assert int(summary["out"]) >= len(swapped) and int(summary["reprefill"]) == 0
+    assert int(summary["max"]) == max(t.batch_max or 1 for t in stored)
+    assert 1.0 <= float(summary["mean"]) <= int(summary["max"])
+    # Each step decodes one token of at most --slots sequences.
+    decoded = sum(t.generated_tokens - (t.stop_reason == "length") for t in stored)
+    assert int(summary["steps"]) >= decoded / slots
 
 
 def table_rows(out: str) -> list[list[str]]:
