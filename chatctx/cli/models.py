@@ -6,9 +6,16 @@ from pathlib import Path
 from typing import Any
 
 import click
+from pydantic import ValidationError
 
-from chatctx.cli._common import handle_errors, json_option, print_json
+from chatctx.cli._common import handle_errors, json_option, print_json, settings
+from chatctx.config import EngineConfig
 from chatctx.engine import model_facts, read_metadata, resolve_model_path
+from chatctx.errors import ConfigError
+
+# The summary sequence's share of a unified cache when EngineConfig.summary_room is None
+# (as the engine sizes it).
+DEFAULT_SUMMARY_ROOM = 1792
 
 
 @click.group()
@@ -18,17 +25,44 @@ def models() -> None:
 
 @models.command("info")
 @click.argument("path", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--n-ctx",
+    type=int,
+    default=None,
+    help="One conversation's context in tokens (default: CHATCTX_N_CTX or 4096).",
+)
+@click.option(
+    "--slots",
+    type=click.IntRange(1, 63),
+    default=1,
+    show_default=True,
+    help="Conversations whose caches the engine holds at once.",
+)
+@click.option(
+    "--unified/--split",
+    "unified",
+    default=True,
+    show_default=True,
+    help="One KV pool for all sequences, or one stream per sequence.",
+)
 @json_option
 @handle_errors
-def info(path: Path | None, as_json: bool) -> None:
+def info(path: Path | None, n_ctx: int | None, slots: int, unified: bool, as_json: bool) -> None:
     """Show a GGUF's architecture, size of context and vocabulary, template, KV cost.
 
+    \b
+    --n-ctx is ONE conversation's context: the engine holds --slots of them, plus a
+    sequence reserved for summaries, and KV cells / KV cache are what loading it that way
+    allocates (see `chatctx plan` for the whole memory budget).
     Without PATH: CHATCTX_MODEL, or the embedded default model.
     """
     resolved = resolve_model_path(path)
     facts = {"path": str(resolved), **model_facts(read_metadata(resolved))}
     for kv in ("q8_0", "q4_0"):
         facts[f"kv_bytes_per_token_{kv}"] = _kv_bytes(facts, kv)
+    facts.update(_pool(resolved, n_ctx or settings().n_ctx, slots, unified))
+    per_token = facts.get("kv_bytes_per_token_f16")
+    facts["kv_cache_bytes_f16"] = facts["kv_cells"] * per_token if per_token else None
     if as_json:
         print_json(facts)
         return
@@ -57,6 +91,41 @@ def info(path: Path | None, as_json: bool) -> None:
         if key == "rope_scaling" and not value:
             value = "none (past the trained context: rope_scaling linear|yarn)"
         click.echo(f"{label:<22}{'?' if value is None else value}")
+    layout = (
+        f"unified pool: {facts['slots']} x {facts['n_ctx']} + {facts['summary_room']} "
+        "summary room, padded to 256"
+        if facts["kv_unified"]
+        else f"split: {facts['n_seq_max']} streams x {facts['n_ctx']}"
+    )
+    cache = facts["kv_cache_bytes_f16"]
+    for label, value in (
+        ("n_ctx", f"{facts['n_ctx']} tokens: one conversation's context (one slot)"),
+        ("slots", f"{facts['slots']} (+1 sequence reserved for summaries)"),
+        ("KV cells", f"{facts['kv_cells']} ({layout})"),
+        ("KV cache (f16)", "?" if cache is None else f"{cache / 2**20:,.1f} MiB"),
+    ):
+        click.echo(f"{label:<22}{value}")
+
+
+def _pool(path: Path, n_ctx: int, slots: int, unified: bool) -> dict[str, Any]:
+    """How an engine loaded with these options sizes its KV cache (``Engine.info()``)."""
+    from chatctx.engine._memory import kv_cells, pad256
+
+    try:
+        config = EngineConfig(model_path=path, n_ctx=n_ctx, slots=slots, kv_unified=unified)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid engine options: {exc}") from exc
+    per_conversation = pad256(config.n_ctx)
+    room = config.summary_room if config.summary_room is not None else DEFAULT_SUMMARY_ROOM
+    room = min(per_conversation, room) if unified else 0
+    return {
+        "n_ctx": per_conversation,
+        "slots": config.slots,
+        "n_seq_max": config.n_seq_max,
+        "kv_unified": unified,
+        "summary_room": room,
+        "kv_cells": kv_cells(per_conversation, config.slots, unified, room),
+    }
 
 
 def _kv_bytes(facts: dict[str, Any], kv_type: str) -> int | None:

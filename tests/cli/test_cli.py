@@ -5,6 +5,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from chatctx import Engine
 from chatctx.cli import cli
 from chatctx.store import Store
 
@@ -47,11 +48,49 @@ def test_models_info_json(tiny_llama3_path: Path, smollm2_path: Path) -> None:
     assert default.exit_code == 0 and "SmolLM2" in default.output and "30" in default.output
 
 
+@pytest.mark.parametrize(
+    ("n_ctx", "slots", "layout"),
+    [(512, 2, "--unified"), (300, 3, "--split"), (4096, 1, "--unified")],
+)
+def test_models_info_sizes_the_pool_like_the_engine(
+    tiny_llama3_path: Path, n_ctx: int, slots: int, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --n-ctx is one conversation's context: the figures are those of an engine loaded so.
+    monkeypatch.setenv("CHATCTX_N_CTX", str(n_ctx))  # the default when --n-ctx is not given
+    args = ["models", "info", str(tiny_llama3_path), "--slots", str(slots), layout]
+    result = CliRunner().invoke(cli, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)
+    unified = layout == "--unified"
+    with Engine.load(tiny_llama3_path, n_ctx=n_ctx, slots=slots, kv_unified=unified) as engine:
+        info = engine.info()
+        assert (facts["n_ctx"], facts["slots"], facts["n_seq_max"], facts["kv_cells"]) == (
+            info.n_ctx,
+            info.slots,
+            info.n_seq_max,
+            info.kv_cells,
+        )
+        assert facts["kv_cells"] == engine.context.n_ctx  # what llama.cpp allocated
+    assert facts["kv_unified"] is unified
+    assert facts["kv_cache_bytes_f16"] == info.kv_cells * facts["kv_bytes_per_token_f16"]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0, text.output
+    assert f"\nn_ctx                 {info.n_ctx} tokens: one conversation's context" in (
+        text.output
+    )
+    assert f"\nslots                 {slots} (+1 sequence reserved for summaries)\n" in (
+        text.output
+    )
+    assert f"\nKV cells              {info.kv_cells} (" in text.output
+
+
 def test_models_info_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_text("nope")
     result = CliRunner().invoke(cli, ["models", "info", str(bad)])
     assert result.exit_code == 1 and "not a GGUF" in result.output
+    small = CliRunner().invoke(cli, ["models", "info", "--n-ctx", "16"])
+    assert small.exit_code == 1 and "invalid engine options" in small.output
 
 
 def test_import_export_list_show(db_url: str, tmp_path: Path) -> None:
