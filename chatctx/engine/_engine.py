@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
-import os
-import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +25,11 @@ from chatctx.engine._kv import KVReport
 from chatctx.engine._memory import pad256
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._native import NativeContext, NativeModel, supports_gpu_offload
+from chatctx.engine._pool import KVSlots
 from chatctx.engine._results import GenerationResult, ModelInfo
 from chatctx.engine._scheduler import BatchCounters, Job, Scheduler
 from chatctx.engine._sequences import prepare
-from chatctx.engine._slots import Lease, SlotPool
-from chatctx.engine._swap import SwapCache, SwapEntry, SwapHit
+from chatctx.engine._slots import Lease
 from chatctx.engine._template import RenderedPrompt, template_for
 from chatctx.errors import ChatctxError, ClosedError, ConfigError, GenerationError, ModelError
 
@@ -176,12 +171,6 @@ class Engine(Closeable):
             self._stack.close()
             raise
         self.kv_cells_total = self.context.n_ctx
-        bos = self.model.bos
-        eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        self.template.bos_token = self.model.token_text(bos) if bos >= 0 else ""
-        self.template.eos_token = (
-            self.model.token_text(int(eos_id)) if isinstance(eos_id, int) else ""
-        )
         self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
         self._codec: PromptCodec | None = None
         self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
@@ -193,21 +182,9 @@ class Engine(Closeable):
             n_ctx=self._n_ctx,
             admit=self._admit,
         )
-        home = default_home()
-        self.swap = SwapCache(
-            fingerprint=self.fingerprint(),
-            ram_bytes=int(config.swap_ram_mb * 2**20),
-            disk_bytes=int(config.swap_disk_mb * 2**20),
-            directory=config.swap_dir or home / "kv",
-        )
-        self.swap_counters = SwapCounters()
-        self._slot_table_path = config.slot_table or home / "slots.json"
-        self.pool = SlotPool(
-            self.slots,
-            swap_out=self._swap_out,
-            swap_in=self._swap_in,
-            on_change=self.write_slot_table,
-        )
+        self.kv_slots = KVSlots(self, slot_table=config.slot_table or default_home() / "slots.json")
+        self.pool = self.kv_slots.pool
+        self.swap = self.kv_slots.swap
         logger.debug(
             "loaded %s: n_ctx=%d slots=%d cells=%d template=%s gpu=%s",
             config.model_path,
@@ -239,7 +216,7 @@ class Engine(Closeable):
         self.pool.close()
         with self._locked():
             self._closed = True
-            self._persist_slots()
+            self.kv_slots.persist()
             self._stack.close()
 
     @property
@@ -437,137 +414,13 @@ class Engine(Closeable):
     def unpin(self, conversation: str) -> None:
         self.pool.unpin(conversation)
 
-    def _swap_out(self, seq_id: int, owner: str) -> None:
-        t0 = time.perf_counter()
-        with self._locked():
-            self._check_open()
-            tokens = tuple(self._mirror[seq_id])
-            data: bytes | None = None
-            if tokens:
-                try:
-                    data = self.context.state_seq_get(seq_id)
-                except ChatctxError as exc:
-                    logger.warning("state of %s not saved: %s", owner, exc)
-            self.context.seq_rm(seq_id, 0, -1)
-            self._mirror[seq_id].clear()
-        if data is None:
-            self.swap.discard(owner)
-            return
-        where = self.swap.put(SwapEntry(owner, tokens, data, self.swap.fingerprint))
-        c = self.swap_counters
-        c.swap_out += 1
-        c.swap_out_bytes += len(data)
-        c.swap_out_ms += (time.perf_counter() - t0) * 1000
-        logger.debug(
-            "swapped out %s (%d tokens, %d bytes) to %s", owner, len(tokens), len(data), where
-        )
-
-    def _swap_in(self, seq_id: int, owner: str) -> tuple[SwapHit, float]:
-        t0 = time.perf_counter()
-        hit = self.swap.take(owner)
-        if hit.entry is None:
-            if hit.reason:
-                self.swap_counters.reprefill += 1
-                logger.info("conversation %s re-prefills: %s", owner, hit.reason)
-            return hit, 0.0
-        entry = hit.entry
-        with self._locked():
-            self._check_open()
-            self.context.seq_rm(seq_id, 0, -1)
-            self._mirror[seq_id].clear()
-            ok = self.context.state_seq_set(seq_id, entry.data)
-            lo, hi = self.context.seq_pos_min(seq_id), self.context.seq_pos_max(seq_id)
-            if ok and lo == 0 and hi == len(entry.tokens) - 1:
-                self._mirror[seq_id].extend(entry.tokens)
-            else:
-                self.context.seq_rm(seq_id, 0, -1)
-                reason = (
-                    f"llama.cpp refused the saved state (positions {lo}..{hi} for "
-                    f"{len(entry.tokens)} tokens)"
-                )
-                self.swap_counters.reprefill += 1
-                return SwapHit(None, None, reason), 0.0
-        ms = (time.perf_counter() - t0) * 1000
-        c = self.swap_counters
-        if hit.where == "disk":
-            c.swap_in_disk += 1
-        else:
-            c.swap_in_ram += 1
-        c.swap_in_bytes += entry.size
-        c.swap_in_ms += ms
-        return hit, ms
-
-    def _persist_slots(self) -> None:
-        # At shutdown the slots' states go to disk: a customer who returns after a restart
-        # gets a restore, not a re-prefill.
-        if self.swap.directory is None or self.context.closed:
-            return
-        for slot in self.pool.slots:
-            tokens = tuple(self._mirror[slot.seq_id])
-            if slot.owner is None or not tokens:
-                continue
-            try:
-                data = self.context.state_seq_get(slot.seq_id)
-            except ChatctxError as exc:
-                logger.warning("state of %s not kept: %s", slot.owner, exc)
-                continue
-            self.swap.persist(SwapEntry(slot.owner, tokens, data, self.swap.fingerprint))
-
     def slot_table(self) -> dict[str, Any]:
         """The pool as the monitor shows it (``chatctx stats --slots``)."""
-        cells: dict[int, int] = {}
-        if not self._closed:
-            with contextlib.suppress(ChatctxError):
-                cells = {s: len(m) for s, m in self._mirror.items()}
-        batch = self._scheduler.counters
-        c = self.swap_counters
-        return {
-            "version": 1,
-            "pid": os.getpid(),
-            "updated_at": datetime.now(UTC).isoformat(),
-            "model": self.config.model_path.name,
-            "n_ctx": self.n_ctx,
-            "kv_unified": self.config.kv_unified,
-            "slots": [
-                {
-                    "slot": slot.seq_id,
-                    "seq_id": slot.seq_id,
-                    "conversation": slot.owner,
-                    "cells": cells.get(slot.seq_id, 0),
-                    "leased": slot.leased,
-                    "last_use": slot.last_use_wall,
-                }
-                for slot in self.pool.slots
-            ],
-            "reserved": [
-                {"seq_id": seq, "role": "summary", "cells": cells.get(seq, 0)}
-                for seq in range(self.slots, self.config.n_seq_max)
-            ],
-            "swapped": self.swap.listing(),
-            "counters": {
-                **asdict(c),
-                "spill_to_disk": self.swap.counters["spill_to_disk"],
-                "disk_dropped": self.swap.counters["disk_dropped"],
-                "ram_bytes": self.swap.ram_used,
-                "disk_bytes": self.swap.disk_used,
-                "batch_steps": batch.steps,
-                "batch_tokens": batch.tokens,
-                "batch_max": batch.max_sequences,
-                "batch_sequences": batch.sequences,
-            },
-        }
+        return self.kv_slots.table(self._scheduler.counters)
 
     def write_slot_table(self) -> None:
         """Write ``slot_table()`` to the configured file (atomically); failures are logged."""
-        path = self._slot_table_path
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.slot_table(), f)
-            os.replace(tmp, path)
-        except OSError as exc:
-            logger.debug("slot table not written to %s: %s", path, exc)
+        self.kv_slots.write_table(self._scheduler.counters)
 
     # generation ---------------------------------------------------------------------------
 
@@ -713,17 +566,3 @@ class Engine(Closeable):
             spare_free=not self._spare_busy and spare != job.seq_id,
             unified=self.config.kv_unified,
         )
-
-
-@dataclass
-class SwapCounters:
-    """Swaps so far, for the monitor."""
-
-    swap_out: int = 0
-    swap_out_bytes: int = 0
-    swap_out_ms: float = 0.0
-    swap_in_ram: int = 0
-    swap_in_disk: int = 0
-    swap_in_bytes: int = 0
-    swap_in_ms: float = 0.0
-    reprefill: int = 0

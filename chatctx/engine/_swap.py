@@ -80,6 +80,9 @@ class SwapCache:
         self.disk_bytes = disk_bytes
         self.directory = directory if disk_bytes > 0 else None
         self._ram: OrderedDict[str, SwapEntry] = OrderedDict()
+        # What the files hold (owner -> row for the slot table), read once, then kept up to
+        # date: the table is written at every lease and must not rescan the directory.
+        self._disk: dict[str, dict[str, Any]] = self._scan()
         self._lock = threading.Lock()
         self.counters = {"spill_to_disk": 0, "disk_dropped": 0, "ram_dropped": 0}
 
@@ -94,13 +97,24 @@ class SwapCache:
             return []
         return [p for p in self.directory.glob("*.kv") if p.is_file()]
 
+    def _scan(self) -> dict[str, dict[str, Any]]:
+        rows: dict[str, dict[str, Any]] = {}
+        for path in self._files():
+            try:
+                with path.open("rb") as f:
+                    head = f.read(len(MAGIC) + 8)
+                    if not head.startswith(MAGIC):
+                        continue
+                    (length,) = struct.unpack_from("<Q", head, len(MAGIC))
+                    header = json.loads(f.read(length))
+                rows[str(header["owner"])] = _row(header, path.stat().st_size, path.stat().st_mtime)
+            except (OSError, ValueError, KeyError, struct.error):
+                continue
+        return rows
+
     @property
     def disk_used(self) -> int:
-        total = 0
-        for path in self._files():
-            with contextlib.suppress(OSError):
-                total += path.stat().st_size
-        return total
+        return sum(row["file_bytes"] for row in self._disk.values())
 
     def _path(self, owner: str) -> Path:
         assert self.directory is not None
@@ -151,32 +165,39 @@ class SwapCache:
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<Q", len(header)) + header + entry.data)
             os.replace(tmp, path)
+            stat = path.stat()
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             logger.warning("could not write swapped KV state of %s: %s", entry.owner, exc)
             return False
+        self._disk[entry.owner] = _row(
+            {
+                "owner": entry.owner,
+                "size": entry.size,
+                "tokens": entry.tokens,
+                "saved_at": entry.saved_at,
+            },
+            stat.st_size,
+            stat.st_mtime,
+        )
         if count:
             self.counters["spill_to_disk"] += 1
-        self._trim_disk(keep=path)
-        return path.exists()
+        self._trim_disk(keep=entry.owner)
+        return entry.owner in self._disk
 
-    def _trim_disk(self, *, keep: Path) -> None:
-        files = []
-        for path in self._files():
-            with contextlib.suppress(OSError):
-                st = path.stat()
-                files.append((st.st_mtime, st.st_size, path))
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
+    def _trim_disk(self, *, keep: str) -> None:
+        total = self.disk_used
+        for owner, row in sorted(self._disk.items(), key=lambda item: item[1]["mtime"]):
             if total <= self.disk_bytes:
                 break
-            if path == keep:
+            if owner == keep:
                 continue
             with contextlib.suppress(OSError):
-                path.unlink()
-                total -= size
-                self.counters["disk_dropped"] += 1
+                self._path(owner).unlink()
+            del self._disk[owner]
+            total -= row["file_bytes"]
+            self.counters["disk_dropped"] += 1
 
     # loading -------------------------------------------------------------------------------
 
@@ -189,6 +210,7 @@ class SwapCache:
             if self.directory is None:
                 return SwapHit(None, None, None)
             path = self._path(owner)
+            self._disk.pop(owner, None)
             if not path.exists():
                 return SwapHit(None, None, None)
             reason: str | None = None
@@ -210,6 +232,7 @@ class SwapCache:
 
     def _drop(self, owner: str) -> None:
         self._ram.pop(owner, None)
+        self._disk.pop(owner, None)
         if self.directory is not None:
             with contextlib.suppress(OSError):
                 self._path(owner).unlink()
@@ -252,21 +275,20 @@ class SwapCache:
                 }
                 for e in self._ram.values()
             ]
-            for path in self._files():
-                try:
-                    with path.open("rb") as f:
-                        head = f.read(len(MAGIC) + 8)
-                        (length,) = struct.unpack_from("<Q", head, len(MAGIC))
-                        header = json.loads(f.read(length))
-                except (OSError, ValueError, struct.error):
-                    continue
-                rows.append(
-                    {
-                        "conversation": header.get("owner"),
-                        "where": "disk",
-                        "bytes": header.get("size", 0),
-                        "tokens": len(header.get("tokens", [])),
-                        "saved_at": header.get("saved_at"),
-                    }
-                )
+            rows.extend(
+                {key: row[key] for key in ("conversation", "where", "bytes", "tokens", "saved_at")}
+                for row in self._disk.values()
+            )
             return rows
+
+
+def _row(header: dict[str, Any], file_bytes: int, mtime: float) -> dict[str, Any]:
+    return {
+        "conversation": str(header["owner"]),
+        "where": "disk",
+        "bytes": int(header.get("size", 0)),
+        "tokens": len(header.get("tokens", ())),
+        "saved_at": header.get("saved_at"),
+        "file_bytes": file_bytes,
+        "mtime": mtime,
+    }
