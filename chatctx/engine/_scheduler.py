@@ -57,6 +57,7 @@ class Job:
     report: KVReport | None = None
     sampler: Sampler | None = None
     batch_max: int = 0  # most sequences decoded together in one step with this one
+    prefill_chunks: list[int] = field(default_factory=list)  # prompt tokens per step
     cancelled: bool = False
     out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     done: threading.Event = field(default_factory=threading.Event)
@@ -256,6 +257,7 @@ class Scheduler:
             job.pos += len(tokens)
             job.batch_max = max(job.batch_max, len(parts))
             if job.state == "prefill":
+                job.prefill_chunks.append(len(tokens))
                 del job.todo[: len(tokens)]
                 if job.todo:
                     continue

@@ -309,3 +309,38 @@ def test_async_turns_match_sync_ones(tiny_llama3_path: Path) -> None:
 
         got = dict(zip(messages, asyncio.run(main()), strict=True))
     assert got == expected
+
+
+def test_a_long_prefill_does_not_stall_running_streams(tiny_llama3_path: Path) -> None:
+    from chatctx.engine._scheduler import PREFILL_CHUNK
+
+    settings = GenerationSettings(temperature=0.0, max_tokens=400, repeat_penalty=1.0)
+    with Engine.load(tiny_llama3_path, n_ctx=1024, slots=2, n_batch=1024) as engine:
+        running = engine.generate([128000, 5, 6, 7], seq_id=0, settings=settings)
+        stream = iter(running)
+        next(stream)  # decoding now
+        long_prompt = [128000, *range(1000, 1000 + 3 * PREFILL_CHUNK)]
+        newcomer = engine.generate(long_prompt, seq_id=1, settings=GenerationSettings(max_tokens=2))
+        seen: list[str] = []
+        waiter = threading.Thread(target=lambda: seen.extend(stream))
+        waiter.start()
+        newcomer.wait()
+        running.close()
+        waiter.join()
+        chunks = newcomer._job.prefill_chunks
+        # In steps of at most one chunk (alone, it would have been one decode of 769).
+        assert sum(chunks) == len(long_prompt) and len(chunks) >= 3
+        assert max(chunks) <= PREFILL_CHUNK
+        assert newcomer.result is not None and newcomer.result.batch_max == 2
+
+
+def test_no_state_is_saved_between_a_shift_and_the_next_decode(tiny_llama3_path: Path) -> None:
+    from chatctx.errors import KVCacheError
+
+    with Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as engine:
+        engine.prefill(list(range(1000, 1100)), seq_id=0)
+        with engine._lock:
+            engine.context.seq_rm(0, 0, 10)
+            engine.context.seq_add(0, 10, -1, -10)
+            with pytest.raises(KVCacheError, match="between a shift and the next decode"):
+                engine.context.state_seq_get(0)
