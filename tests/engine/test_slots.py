@@ -21,10 +21,11 @@ from chatctx.errors import ConfigError
 from chatctx.store import Store
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "repeat_penalty": 1.0}
-WORDS = (
-    "order parcel refund invoice shipping address courier tracking warehouse label "
-    "payment card delay box damaged colour size exchange voucher account password"
-).split()
+WORDS = [
+    *("order", "parcel", "refund", "invoice", "shipping", "address", "courier", "tracking"),
+    *("warehouse", "label", "payment", "card", "delay", "box", "damaged", "colour", "size"),
+    *("exchange", "voucher", "account", "password"),
+]
 
 
 def script(n: int, turns: int) -> list[str]:
