@@ -137,26 +137,26 @@ class ChatSession(Closeable):
         store = Store(db) if isinstance(db, str) else db
         try:
             cid = conversation_id
-            updates: dict[str, Any] = {}
-            if generation is not None:
-                updates["generation"] = generation.model_dump()
-            if context_settings is not None:
-                updates["context"] = context_settings.model_dump()
+            changed = generation is not None or context_settings is not None
             if cid is not None and store.has_conversation(cid):
-                if system_prompt is not None or updates:
-                    stored = store.get_conversation(cid).settings
+                if system_prompt is not None or changed:
+                    current = ConversationSettings.parse(store.get_conversation(cid).settings)
+                    merged = ConversationSettings(
+                        generation=generation or current.generation,
+                        context=context_settings or current.context,
+                    )
                     store.update_conversation(
                         cid,
                         system_prompt=system_prompt,
-                        settings=(stored | updates) if updates else None,
+                        settings=merged.to_json() if changed else None,
                     )
             else:
-                defaults = {
-                    "generation": GenerationSettings().model_dump(),
-                    "context": ContextSettings().model_dump(),
-                }
+                initial = ConversationSettings(
+                    generation=generation or GenerationSettings(),
+                    context=context_settings or ContextSettings(),
+                )
                 cid = store.create_conversation(
-                    cid, system_prompt=system_prompt, settings=defaults | updates
+                    cid, system_prompt=system_prompt, settings=initial.to_json()
                 ).id
             owns_engine = not isinstance(model, Backend)
             engine: Backend = (
