@@ -9,7 +9,8 @@ swapped out to RAM (or disk) and restored when they write again, so nothing is r
 
 Customers write in rounds: all of them send their first message, read the replies, then send
 the next, so each comes back after others have used the slots. Replies are printed per round,
-each turn's figures are logged (stderr), and a summary of the pool ends the run.
+each turn's figures are logged (stderr), and a summary of the pool ends the run. TTFT counts
+from the request, so it includes waiting for a slot; "engine" is the engine's own share.
 
     python examples/support_bot.py                       # embedded SmolLM2, ./support_bot.db
     python examples/support_bot.py --model my-llama3.gguf --db sqlite:///bot.db --slots 3
@@ -74,7 +75,7 @@ def log_turn(turn: Turn) -> None:
         swap = "none"
     log.info(
         "%s turn %d: slot %d, swap-in %s, prompt %d tok (reused %d, evaluated %d), "
-        "batch max %d, TTFT %.0f ms",
+        "batch max %d, TTFT %.0f ms (engine %.0f ms)",
         turn.conversation_id,
         turn.id,
         turn.slot,
@@ -84,6 +85,7 @@ def log_turn(turn: Turn) -> None:
         turn.evaluated_tokens,
         turn.batch_max or 1,
         turn.ttft_ms or 0,
+        turn.engine_ttft_ms or 0,
     )
 
 

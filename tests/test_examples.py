@@ -50,7 +50,7 @@ TURN_LINE = re.compile(
     r"^(?P<customer>cust-\d+) turn (?P<id>\d+): slot (?P<slot>\d+), swap-in "
     r"(?P<swap>ram|disk|none)(?: \((?P<kib>[\d.]+) KiB, (?P<ms>[\d.]+) ms\))?, "
     r"prompt (?P<prompt>\d+) tok \(reused (?P<reused>\d+), evaluated (?P<evaluated>\d+)\), "
-    r"batch max (?P<batch>\d+), TTFT (?P<ttft>\d+) ms$",
+    r"batch max (?P<batch>\d+), TTFT (?P<ttft>\d+) ms \(engine (?P<engine>\d+) ms\)$",
     re.MULTILINE,
 )
 POOL_SUMMARY = re.compile(
@@ -112,6 +112,7 @@ def test_support_bot(tmp_path: Path, tiny_llama3_path: Path) -> None:
                     turn.batch_max,
                 ]
                 assert line["ttft"] == f"{turn.ttft_ms or 0:.0f}"
+                assert line["engine"] == f"{turn.engine_ttft_ms or 0:.0f}"
                 # Leased from the pool (no pinned seq_id), on one of --slots slots.
                 assert turn.slot is not None and 0 <= turn.slot < slots
                 assert turn.slot == turn.seq_id and turn.reprefill_reason is None
