@@ -440,11 +440,10 @@ class ChatSession(Closeable):
     def _open_stream(self, text: str, replies: list[Reply] | None) -> Generator[str, None, None]:
         requested = time.perf_counter()
         lease = self._lease_slot()
+        clock = (requested, time.perf_counter())
         try:
             built, generation, context = self._prepare(text)
-            stream = self._stream(
-                text, built, generation, context.eviction, requested, lease, replies
-            )
+            stream = self._stream(text, built, generation, context.eviction, clock, lease, replies)
         except BaseException:
             self._release(lease)
             raise
@@ -476,7 +475,7 @@ class ChatSession(Closeable):
         requested = time.perf_counter()
         lease = self._lease_slot()
         try:
-            return self._record_turn(text, reply, requested, lease)
+            return self._record_turn(text, reply, (requested, time.perf_counter()), lease)
         finally:
             self._release(lease)
 
@@ -484,7 +483,7 @@ class ChatSession(Closeable):
         self,
         text: str,
         reply: str | Sequence[Mapping[str, Any]],
-        requested: float,
+        leased: tuple[float, float],
         lease: Lease,
     ) -> Reply:
         built, _, context = self._prepare(text)
@@ -504,7 +503,7 @@ class ChatSession(Closeable):
             else [dict(m) for m in reply]
         )
         first_text = next((m["content"] for m in logged if m["role"] == "assistant"), "")
-        clock = (requested, built_at, stored_at)
+        clock = (*leased, built_at, stored_at)
         if logged and logged[0]["role"] == "assistant" and not logged[0].get("tool_calls"):
             stored = self._finish(
                 user, replace(result, text=logged[0]["content"]), built.plan, clock, lease
@@ -554,7 +553,7 @@ class ChatSession(Closeable):
         built: BuildResult,
         settings: GenerationSettings,
         eviction: str,
-        requested: float,
+        leased: tuple[float, float],
         lease: Lease,
         replies: list[Reply] | None,
     ) -> Generator[str, None, None]:
@@ -574,7 +573,7 @@ class ChatSession(Closeable):
             finally:
                 generation.close()
                 reply = self._finish(
-                    user, generation.result, built.plan, (requested, built_at, stored_at), lease
+                    user, generation.result, built.plan, (*leased, built_at, stored_at), lease
                 )
                 if replies is not None and reply is not None:
                     replies.append(reply)
@@ -586,13 +585,14 @@ class ChatSession(Closeable):
         user: Message,
         result: GenerationResult | None,
         plan: ContextPlan,
-        clock: tuple[float, float, float],
+        clock: tuple[float, float, float, float],
         lease: Lease,
         *,
         store_reply: bool = True,
     ) -> Reply | None:
         """Store the reply and the turn's figures. ``clock``: perf_counter() stamps of the
-        request, of the context being built and of the user message being stored."""
+        request, of the slot being leased, of the context being built and of the user message
+        being stored."""
         if result is None:  # interrupted before the engine started
             return None
         if self.store.closed:
@@ -686,17 +686,18 @@ class ChatSession(Closeable):
 
 
 def _request_timings(
-    result: GenerationResult, plan: ContextPlan, clock: tuple[float, float, float]
+    result: GenerationResult, plan: ContextPlan, clock: tuple[float, float, float, float]
 ) -> Timings:
     """The engine's timings re-based on the request: TTFT and total count from it."""
-    requested, built_at, stored_at = clock
+    requested, leased_at, built_at, stored_at = clock
     t = result.timings
     before_engine = (result.started_at - requested) * 1000 if result.started_at else 0.0
     return replace(
         t,
         ttft_ms=before_engine + t.ttft_ms if t.ttft_ms is not None else None,
         total_ms=before_engine + t.total_ms,
-        build_ms=(built_at - requested) * 1000,
+        slot_ms=(leased_at - requested) * 1000,
+        build_ms=(built_at - leased_at) * 1000,
         store_ms=(stored_at - built_at) * 1000,
         summary_ms=plan.summary_ms if plan.evicted or plan.summary_changed else 0.0,
         engine_ttft_ms=t.ttft_ms,

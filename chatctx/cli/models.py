@@ -13,10 +13,6 @@ from chatctx.config import EngineConfig
 from chatctx.engine import model_facts, read_metadata, resolve_model_path
 from chatctx.errors import ConfigError
 
-# The summary sequence's share of a unified cache when EngineConfig.summary_room is None
-# (as the engine sizes it).
-DEFAULT_SUMMARY_ROOM = 1792
-
 
 @click.group()
 def models() -> None:
@@ -109,15 +105,14 @@ def info(path: Path | None, n_ctx: int | None, slots: int, unified: bool, as_jso
 
 def _pool(path: Path, n_ctx: int, slots: int, unified: bool) -> dict[str, Any]:
     """How an engine loaded with these options sizes its KV cache (``Engine.info()``)."""
-    from chatctx.engine._memory import kv_cells, pad256
+    from chatctx.engine._memory import kv_cells, pad256, summary_room_for
 
     try:
         config = EngineConfig(model_path=path, n_ctx=n_ctx, slots=slots, kv_unified=unified)
     except ValidationError as exc:
         raise ConfigError(f"invalid engine options: {exc}") from exc
     per_conversation = pad256(config.n_ctx)
-    room = config.summary_room if config.summary_room is not None else DEFAULT_SUMMARY_ROOM
-    room = min(per_conversation, room) if unified else 0
+    room = summary_room_for(per_conversation, config.summary_room) if unified else 0
     return {
         "n_ctx": per_conversation,
         "slots": config.slots,

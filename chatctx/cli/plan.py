@@ -14,9 +14,11 @@ from chatctx.engine._memory import (
     MemoryPlan,
     ModelShape,
     alternatives,
+    pad256,
     parse_allocations,
     parse_size,
     plan_memory,
+    summary_room_for,
 )
 from chatctx.engine._models import resolve_model_path
 
@@ -61,9 +63,9 @@ def _flash(value: str) -> bool | None:
 @click.option(
     "--summary-room",
     type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="Extra cells in the unified pool for the summary sequence.",
+    default=None,
+    help="Cells in the unified pool for the summary sequence [default: min(n_ctx, 1792), "
+    "as the engine reserves].",
 )
 @click.option(
     "--unified/--split",
@@ -143,7 +145,7 @@ def plan(
     model: str | None,
     n_ctx: int | None,
     slots: int,
-    summary_room: int,
+    summary_room: int | None,
     unified: bool,
     type_k: str,
     type_v: str,
@@ -181,10 +183,11 @@ def plan(
     shape = ModelShape.from_gguf(path)
     gpu = supports_gpu_offload()
     options: dict[str, Any] = {
-        "n_ctx": n_ctx or env.n_ctx,
+        # As the engine sizes it: each conversation's context rounded up to 256 cells.
+        "n_ctx": pad256(n_ctx or env.n_ctx),
         "slots": slots,
         "unified": unified,
-        "summary_room": summary_room,
+        "summary_room": summary_room_for(n_ctx or env.n_ctx, summary_room) if unified else 0,
         "type_k": type_k,
         "type_v": type_v,
         "flash_attn": _flash(flash_attn),

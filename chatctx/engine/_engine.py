@@ -22,7 +22,7 @@ from chatctx.config import EngineConfig, GenerationSettings, default_home
 from chatctx.engine import _gguf
 from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec
 from chatctx.engine._kv import KVReport
-from chatctx.engine._memory import pad256
+from chatctx.engine._memory import kv_cells, pad256, summary_room_for
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._native import NativeContext, NativeModel, supports_gpu_offload
 from chatctx.engine._pool import KVSlots
@@ -139,12 +139,11 @@ class Engine(Closeable):
         self._n_ctx = pad256(config.n_ctx)
         self.slots = min(config.slots, config.n_seq_max)
         reserved = config.n_seq_max - self.slots
-        room = config.summary_room if config.summary_room is not None else 1792
-        self._summary_room = min(self._n_ctx, room) if reserved else 0
-        if config.kv_unified:
-            cells = pad256(self.slots * self._n_ctx + self._summary_room)
-        else:
-            cells = config.n_seq_max * self._n_ctx
+        self._summary_room = summary_room_for(self._n_ctx, config.summary_room) if reserved else 0
+        if reserved:
+            cells = kv_cells(self._n_ctx, self.slots, config.kv_unified, self._summary_room)
+        else:  # no reserved sequence: the slots alone
+            cells = self.slots * self._n_ctx
         self._stack = ExitStack()
         try:
             self.model = NativeModel(config.model_path, n_gpu_layers=config.n_gpu_layers)

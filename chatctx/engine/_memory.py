@@ -27,6 +27,7 @@ from chatctx.engine._gguf import TensorInfo, model_facts, read_tensor_infos
 from chatctx.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_SUMMARY_ROOM",
     "GGML_TYPES",
     "KV_TYPE_IDS",
     "QUANTIZED_KV_TYPES",
@@ -43,6 +44,7 @@ __all__ = [
     "plan_memory",
     "resolve_flash_attn",
     "rope_warning",
+    "summary_room_for",
     "tensor_bytes",
 ]
 
@@ -99,6 +101,14 @@ MIB = 1024 * 1024
 def pad256(n: int) -> int:
     """``n`` rounded up to a multiple of 256, as llama.cpp rounds context sizes."""
     return -(-n // 256) * 256
+
+
+DEFAULT_SUMMARY_ROOM = 1792  # a 1,024-token chunk of evicted turns, a summary, instructions
+
+
+def summary_room_for(n_ctx: int, room: int | None = None) -> int:
+    """Cells the summary sequence gets in a unified pool (``room`` None: the default)."""
+    return min(pad256(n_ctx), DEFAULT_SUMMARY_ROOM if room is None else room)
 
 
 def kv_cells(n_ctx: int, slots: int = 1, unified: bool = True, summary_room: int = 0) -> int:

@@ -142,6 +142,7 @@ class KVSlots:
                 logger.warning("state of %s not kept: %s", slot.owner, exc)
                 continue
             self.swap.persist(SwapEntry(slot.owner, tokens, data, self.swap.fingerprint))
+        self.swap.persist_ram()
 
     def table(self, batch: BatchCounters) -> dict[str, Any]:
         """The pool as the monitor shows it (``chatctx stats --slots``)."""

@@ -24,9 +24,10 @@ class Timings:
     """Wall-clock figures of one turn, in milliseconds and tokens per second.
 
     From the engine, ``ttft_ms`` counts from its first step; a ``ChatSession`` reply counts
-    it from the request (``send``/``stream`` called), so it includes ``build_ms`` (context
-    building, summary included), ``store_ms`` (database writes before generation) and
-    ``engine_ttft_ms`` (the engine's own share).
+    it from the request (``send``/``stream`` called), so it includes ``slot_ms`` (waiting for
+    a slot and restoring a swapped cache), ``build_ms`` (context building, summary
+    included), ``store_ms`` (database writes before generation) and ``engine_ttft_ms`` (the
+    engine's own share, which includes waiting for other streams' decode steps).
     """
 
     prefill_ms: float
@@ -38,6 +39,7 @@ class Timings:
     store_ms: float = 0.0
     summary_ms: float = 0.0
     engine_ttft_ms: float | None = None
+    slot_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,6 +142,13 @@ class SwapCache:
             self._drop(entry.owner)
             return self._spill(entry, count=False)
 
+    def persist_ram(self) -> None:
+        """Move every state held in RAM to disk (at shutdown)."""
+        with self._lock:
+            while self._ram:
+                _, entry = self._ram.popitem(last=False)
+                self._spill(entry, count=False)
+
     def _on_disk(self, owner: str) -> bool:
         return self.directory is not None and self._path(owner).exists()
 

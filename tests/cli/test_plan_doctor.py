@@ -30,8 +30,9 @@ def test_plan_json_by_hand(tiny_llama3_path: Path) -> None:
     )
     assert code == 0, out
     plan = json.loads(out)
-    # pad256(3 x 1000) cells x 2 layers x 2 KV heads x (16 K + 16 V) values x 2 bytes
-    assert plan["kv_cells"] == 3072 and plan["kv_bytes"] == 3072 * 2 * 2 * 32 * 2
+    # 3 slots x pad256(1000) + the summary room min(1024, 1792) = 4096 cells, each
+    # 2 layers x 2 KV heads x (16 K + 16 V) values x 2 bytes
+    assert plan["kv_cells"] == 4096 and plan["kv_bytes"] == 4096 * 2 * 2 * 32 * 2
     assert plan["measured_kv_bytes"] is None and plan["fits"] is True
     assert {"weights_bytes", "compute_bytes", "fits", "rope"} <= set(plan)
 
