@@ -1,5 +1,6 @@
 """Replaying logged conversations and tuning budgets and policies."""
 
+from chatctx.replay._dry import DryBackend
 from chatctx.replay._input import LoggedConversation, Probe, parse_logged, read_logs
 from chatctx.replay._run import (
     ConversationReport,
@@ -13,6 +14,7 @@ from chatctx.replay._run import (
 
 __all__ = [
     "ConversationReport",
+    "DryBackend",
     "LoggedConversation",
     "Probe",
     "ReplayConfig",

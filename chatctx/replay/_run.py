@@ -1,9 +1,11 @@
 """Replaying logged conversations: teacher-forced, regenerated, or dry (tokenizer only).
 
-Dry runs load no weights: the context plans come from the same builder, and the KV reuse is
-computed with the engine's own planner (``plan_reuse``) over a simulated cache, so their reused
-and evaluated token counts equal a teacher-forced run's (a test holds them to it). Dry runs
-assume a model whose cache can shift and a spare unified sequence, as chatctx sets up.
+Every mode runs one loop: each logged turn goes through a ``ChatSession``, so the context
+plans, the stored rows and the totals are the same code. Dry runs load no weights: their
+backend (``DryBackend``) computes the KV reuse with the engine's own planner over a simulated
+cache, so their reused and evaluated token counts equal a teacher-forced run's (a test holds
+them to it). Dry runs assume a model whose cache can shift and a spare unified sequence, as
+chatctx sets up.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from pydantic import Field
 
 from chatctx._resource import Closeable
 from chatctx.config import ContextSettings, GenerationSettings, _Model
-from chatctx.context import ContextBuilder, ContextPlan, ContextState, summarizer_for, summary_limit
-from chatctx.engine import Engine, plan_reuse
+from chatctx.context import ContextPlan, summary_limit
+from chatctx.engine import Engine, resolve_model_path
 from chatctx.engine._codec import PromptCodec, open_codec
 from chatctx.errors import ChatctxError, ConfigError, ModelError
-from chatctx.monitor import percentile
+from chatctx.monitor import totals
+from chatctx.replay._dry import DryBackend
 from chatctx.replay._input import LoggedConversation
+from chatctx.replay._store import ReplayStore
 from chatctx.session import ChatSession
-from chatctx.store import Message, Store
+from chatctx.store import Turn
 
 Mode = Literal["teacher", "regenerate", "dry"]
 
@@ -88,6 +92,10 @@ class TurnReport:
     dropped: int
     evicted: bool
     summary_tokens: int
+    generated_tokens: int = 0
+    shift_count: int = 0
+    summary_ms: float | None = None
+    decode_tokens_per_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -106,33 +114,55 @@ class ConversationReport:
 def summarize(
     turns: Sequence[TurnReport], conversations: Sequence[ConversationReport]
 ) -> dict[str, Any]:
-    """Totals: prefill amplification, cache hit ratio, evictions, TTFT, fact retention."""
-    prompt = sum(t.prompt_tokens for t in turns)
-    new = sum(t.new_tokens for t in turns)
-    evaluated = sum(t.evaluated_tokens for t in turns)
-    ttfts = [t.ttft_ms for t in turns if t.ttft_ms is not None]
+    """Totals of ``turns`` (``chatctx.monitor.totals``, as ``chatctx stats`` shows them) with
+    the conversations' probes: fact retention in the context and in regenerated answers."""
     probes = sum(c.probes for c in conversations)
     answer_probes = sum(c.answer_probes for c in conversations)
-    return {
-        "conversations": len(conversations),
-        "turns": len(turns),
-        "prompt_tokens": prompt,
-        "new_tokens": new,
-        "evaluated_tokens": evaluated,
-        "reused_tokens": sum(t.reused_tokens for t in turns),
-        "prefill_amplification": evaluated / new if new else None,
-        "cache_hit_ratio": sum(t.reused_tokens for t in turns) / prompt if prompt else None,
-        "evictions": sum(t.evicted for t in turns),
-        "ttft_p50_ms": percentile(ttfts, 50),
-        "ttft_p95_ms": percentile(ttfts, 95),
-        "probes": probes,
-        "fact_retention": sum(c.retained_in_context for c in conversations) / probes
-        if probes
-        else None,
-        "answer_retention": sum(c.retained_in_answer for c in conversations) / answer_probes
-        if answer_probes
-        else None,
-    }
+    return (
+        {"conversations": len(conversations)}
+        | totals([_as_turn(t) for t in turns]).as_dict()
+        | {
+            "probes": probes,
+            "fact_retention": sum(c.retained_in_context for c in conversations) / probes
+            if probes
+            else None,
+            "answer_retention": sum(c.retained_in_answer for c in conversations) / answer_probes
+            if answer_probes
+            else None,
+        }
+    )
+
+
+def _as_turn(t: TurnReport) -> Turn:
+    """The figures of a stored turn record that ``totals`` reads, from a report row.
+
+    Reports keep rows, not the records (whose plans cost ~3 KB a turn on big replays).
+    """
+    return Turn(
+        id=t.turn,
+        conversation_id=t.conversation,
+        user_message_id=None,
+        assistant_message_id=None,
+        model=None,
+        seq_id=0,
+        n_ctx=0,
+        prompt_tokens=t.prompt_tokens,
+        reused_tokens=t.reused_tokens,
+        evaluated_tokens=t.evaluated_tokens,
+        generated_tokens=t.generated_tokens,
+        prefill_ms=0.0,
+        ttft_ms=t.ttft_ms,
+        decode_tokens_per_s=t.decode_tokens_per_s,
+        total_ms=0.0,
+        stop_reason="",
+        plan={"evicted": t.evicted},
+        created_at=None,
+        new_tokens=t.new_tokens,
+        evicted_tokens=t.evicted_tokens,
+        shifted_tokens=t.shifted_tokens,
+        shift_count=t.shift_count,
+        summary_ms=t.summary_ms,
+    )
 
 
 def _retained(fact: str, messages: Sequence[dict[str, Any]]) -> bool:
@@ -143,7 +173,10 @@ def _retained(fact: str, messages: Sequence[dict[str, Any]]) -> bool:
 class Replayer(Closeable):
     """Replays conversations under one configuration; reuse it for many conversations.
 
-    Use as a context manager: a teacher-forced or regenerating replayer owns an engine.
+    Every mode runs the same loop: each logged turn goes through a ``ChatSession`` on an
+    in-memory store. Teacher-forced and regenerating runs drive an ``Engine``; a dry run
+    drives a ``DryBackend`` (the tokenizer and a simulated KV cache, no weights). Use as a
+    context manager: a replayer owns the backend it made.
     """
 
     def __init__(
@@ -155,15 +188,26 @@ class Replayer(Closeable):
         codec: PromptCodec | None = None,
     ) -> None:
         self.config = config
-        self._engine = engine
-        self._owns_engine = False
         self.codec = codec
+        backend: Engine | DryBackend
         if config.mode == "dry":
             if config.summarizer == "llm":
                 raise ConfigError("--dry-run loads no model, so it cannot use the llm summarizer")
+            path = engine.config.model_path if engine is not None else None
             if self.codec is None:
-                self.codec = engine.codec() if engine is not None else self._dry_codec(model)
-        elif self._engine is None:
+                if engine is not None:
+                    self.codec = engine.codec()
+                else:
+                    path = resolve_model_path(model)
+                    self.codec = self._dry_codec(path)
+            elif path is None and model is not None:
+                path = resolve_model_path(model)
+            # The context a live run's engine would have: budget and reserve, padded to 256.
+            backend = DryBackend(
+                self.codec, n_ctx=config.budget + config.reserve_tokens, model_path=path
+            )
+            self._owns_backend = True
+        elif engine is None:
             n_ctx = config.budget + config.reserve_tokens
             if config.summarizer == "llm":
                 # The summary request shares the cells: make room for its input chunk (a
@@ -174,14 +218,15 @@ class Replayer(Closeable):
                     < config.budget
                 ):
                     n_ctx += 64
-            self._engine = Engine.load(model, n_ctx=n_ctx, n_seq_max=2)
-            self._owns_engine = True
+            backend = Engine.load(model, n_ctx=n_ctx, n_seq_max=2)
+            self._owns_backend = True
+        else:
+            backend = engine
+            self._owns_backend = False
+        self._backend = backend
 
     @staticmethod
-    def _dry_codec(model: str | Path | None) -> PromptCodec:
-        from chatctx.engine import resolve_model_path
-
-        path = resolve_model_path(model)
+    def _dry_codec(path: Path) -> PromptCodec:
         try:
             return open_codec(path)
         except ModelError:  # a vocabulary tiktoken cannot mirror: ask llama.cpp (vocab only)
@@ -189,8 +234,8 @@ class Replayer(Closeable):
                 return engine.codec()
 
     def close(self) -> None:
-        if self._owns_engine and self._engine is not None:
-            self._engine.close()
+        if self._owns_backend:
+            self._backend.close()
 
     def replay(
         self, conversation: LoggedConversation, on_turn: Callable[[TurnReport], None] | None = None
@@ -202,23 +247,10 @@ class Replayer(Closeable):
         report = ConversationReport(conversation=conversation.id)
         asked = {p.asked_turn: p for p in conversation.probes if p.asked_turn < len(turns)}
         report.probes = len(asked)
-        if self.config.mode == "dry":
-            self._dry(conversation.id, system, turns, asked, report, on_turn)
-        else:
-            self._live(conversation.id, system, turns, asked, report, on_turn)
+        self._run(conversation.id, system, turns, asked, report, on_turn)
         return report
 
-    def _record(
-        self,
-        report: ConversationReport,
-        on_turn: Callable[[TurnReport], None] | None,
-        turn: TurnReport,
-    ) -> None:
-        report.turns.append(turn)
-        if on_turn is not None:
-            on_turn(turn)
-
-    def _live(
+    def _run(
         self,
         cid: str,
         system: str | None,
@@ -227,23 +259,23 @@ class Replayer(Closeable):
         report: ConversationReport,
         on_turn: Callable[[TurnReport], None] | None,
     ) -> None:
-        engine = self._engine
-        assert engine is not None
-        engine.clear()
+        backend = self._backend
+        backend.clear()
+        regenerate = self.config.mode == "regenerate"
         settings = GenerationSettings(max_tokens=self.config.max_tokens, temperature=0.0)
         with (
-            Store("sqlite://") as store,
+            ReplayStore() as store,
             ChatSession.open(
                 store,
                 conversation_id=cid,
-                model=engine,
+                model=backend,
                 system_prompt=system,
                 settings=settings,
                 context=self.config.context(),
             ) as chat,
         ):
             for index, (user, logged) in enumerate(turns):
-                if self.config.mode == "regenerate":
+                if regenerate:
                     reply = chat.send(user)
                 else:
                     reply = chat.record_turn(user, logged or [{"role": "assistant", "content": ""}])
@@ -252,166 +284,35 @@ class Replayer(Closeable):
                 if index in asked:
                     fact = asked[index].fact
                     report.retained_in_context += _retained(fact, built.messages[:-1])
-                    if self.config.mode == "regenerate":
+                    if regenerate:
                         report.answer_probes += 1
                         report.retained_in_answer += fact.casefold() in reply.text.casefold()
-                t = reply.turn
-                plan = built.plan
-                self._record(
-                    report,
-                    on_turn,
-                    _turn_report(
-                        cid,
-                        index,
-                        plan,
-                        reused=t.reused_tokens,
-                        evicted=t.evicted_tokens or 0,
-                        shifted=t.shifted_tokens or 0,
-                        ttft_ms=t.ttft_ms,
-                    ),
-                )
-
-    def _dry(
-        self,
-        cid: str,
-        system: str | None,
-        turns: list[tuple[str, list[dict[str, Any]]]],
-        asked: dict[int, Any],
-        report: ConversationReport,
-        on_turn: Callable[[TurnReport], None] | None,
-    ) -> None:
-        from sqlalchemy import insert  # local: only dry runs write rows this way
-
-        from chatctx.store._models import MessageRow
-
-        codec = self.codec
-        assert codec is not None
-        settings = self.config.context()
-        # The history lives in an in-memory store, as a live run's does: recall searches it
-        # with the same full-text index. Rows go in with one plain INSERT per turn (the ORM
-        # path costs more than the rest of a dry turn); the triggers index them all the same.
-        with Store("sqlite://") as store:
-            store.create_conversation(cid)
-            history: list[Message] = []
-
-            def add(messages: Sequence[dict[str, Any]]) -> None:
-                new = [
-                    Message(
-                        id=len(history) + n + 1,
-                        conversation_id=cid,
-                        position=len(history) + n,
-                        role=m["role"],
-                        content=m["content"],
-                        name=m.get("name"),
-                        tool_call_id=m.get("tool_call_id"),
-                        tool_calls=m.get("tool_calls"),
-                    )
-                    for n, m in enumerate(messages)
-                ]
-                with store.engine.begin() as connection:
-                    connection.execute(
-                        insert(MessageRow),
-                        [
-                            {
-                                "id": m.id,
-                                "conversation_id": cid,
-                                "position": m.position,
-                                "role": m.role,
-                                "content": m.content,
-                                "name": m.name,
-                                "tool_call_id": m.tool_call_id,
-                                "tool_calls": m.tool_calls,
-                            }
-                            for m in new
-                        ],
-                    )
-                history.extend(new)
-
-            builder = ContextBuilder(
-                codec,
-                settings,
-                summarizer=summarizer_for(
-                    settings.summarizer,
-                    count=codec.count,
-                    max_tokens=settings.summary_max_tokens,
-                    budget=self.config.budget,
-                ),
-                lookup=store.messages_by_ids,
-                recall=lambda query, before, limit: store.search_messages(
-                    cid, query, before_position=before, limit=limit, replies=True
-                ),
-            )
-            state = ContextState()
-            cache: list[int] = []
-            for index, (user, logged) in enumerate(turns):
-                window = [m for m in history if m.position >= state.window_start]
-                built = builder.build(
-                    system_prompt=system,
-                    history=window,
-                    new_message=user,
-                    budget=self.config.budget,
-                    reserve=self.config.reserve_tokens,
-                    state=state,
-                )
-                plan = built.plan
-                reuse = plan_reuse(cache, built.tokens, history_start=plan.history_start)
-                shifted = 0
-                if self.config.eviction == "shift" and reuse.chunk is not None:
-                    reused = reuse.prefix + reuse.chunk_len
-                    shifted = reuse.chunk_len if reuse.delta else 0
-                else:
-                    reused = reuse.prefix
-                evicted = len(cache) - reused
-                cache = list(built.tokens)  # a teacher-forced prefill leaves exactly the prompt
-                state = built.state
-                if index in asked:
-                    report.retained_in_context += _retained(asked[index].fact, built.messages[:-1])
-                add(
-                    [
-                        {"role": "user", "content": user},
-                        *(logged or [{"role": "assistant", "content": ""}]),
-                    ]
-                )
-                self._record(
-                    report,
-                    on_turn,
-                    _turn_report(
-                        cid,
-                        index,
-                        plan,
-                        reused=reused,
-                        evicted=evicted,
-                        shifted=shifted,
-                        ttft_ms=None,
-                    ),
-                )
+                turn = _turn_report(cid, index, built.plan, reply.turn)
+                report.turns.append(turn)
+                if on_turn is not None:
+                    on_turn(turn)
 
 
-def _turn_report(
-    cid: str,
-    index: int,
-    plan: ContextPlan,
-    *,
-    reused: int,
-    evicted: int,
-    shifted: int,
-    ttft_ms: float | None,
-) -> TurnReport:
+def _turn_report(cid: str, index: int, plan: ContextPlan, turn: Turn) -> TurnReport:
     return TurnReport(
         conversation=cid,
         turn=index + 1,
-        prompt_tokens=plan.prompt_tokens,
+        prompt_tokens=turn.prompt_tokens,
         new_tokens=plan.new_tokens,
-        reused_tokens=reused,
-        evaluated_tokens=plan.prompt_tokens - reused,
-        evicted_tokens=evicted,
-        shifted_tokens=shifted,
-        ttft_ms=ttft_ms,
+        reused_tokens=turn.reused_tokens,
+        evaluated_tokens=turn.evaluated_tokens,
+        evicted_tokens=turn.evicted_tokens or 0,
+        shifted_tokens=turn.shifted_tokens or 0,
+        ttft_ms=turn.ttft_ms,
         kept=len(plan.kept_ids),
         summarized=len(plan.summarized_ids),
         dropped=len(plan.dropped_ids),
         evicted=plan.evicted,
         summary_tokens=plan.sections.get("summary", 0),
+        generated_tokens=turn.generated_tokens,
+        shift_count=turn.shift_count or 0,
+        summary_ms=turn.summary_ms,
+        decode_tokens_per_s=turn.decode_tokens_per_s,
     )
 
 
