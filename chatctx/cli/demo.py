@@ -23,6 +23,7 @@ from chatctx.cli._common import (
 )
 from chatctx.cli._signals import interruptible
 from chatctx.errors import StoreError
+from chatctx.monitor import totals
 from chatctx.session import ChatSession, Reply
 from chatctx.store import read_jsonl
 
@@ -150,9 +151,10 @@ def demo(
         )
     console.print()
     console.print(table)
-    prompt = sum(r.usage.prompt_tokens for r in replies)
-    reused = sum(r.usage.reused_tokens for r in replies)
+    # The totals `chatctx stats` and `chatctx replay` show, over the stored turn records.
+    summary = totals([r.turn for r in replies if r.turn is not None])
+    hit_ratio = summary.cache_hit_ratio
     console.print(
-        f"cache hit ratio {reused / prompt:.2f} (reused / prompt tokens) · stored as "
-        f"conversation {cid}: `chatctx conversations show {cid}`"
+        f"cache hit ratio {'-' if hit_ratio is None else f'{hit_ratio:.2f}'} (reused / prompt "
+        f"tokens) · stored as conversation {cid}: `chatctx conversations show {cid}`"
     )
