@@ -24,13 +24,15 @@ from chatctx.engine._template import ChatTemplate, RenderedPrompt, template_for
 logger = logging.getLogger("chatctx.codec")
 
 # llama.cpp's pre-tokenizer patterns, by tokenizer.ggml.pre. SmolLM-style vocabularies split
-# every digit first, then apply GPT-2's pattern; folded into one pattern here.
+# every digit first, then apply GPT-2's pattern to each piece between digits; folded into one
+# pattern here, where a digit ends a piece: trailing whitespace before a digit stays one run
+# ("\n  4" is "\n  " + "4", as in llama.cpp, not "\n " + " " + "4").
 PATTERNS = {
     "llama-bpe": (
         r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
-    "smollm": r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "smollm": r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+",
 }
 PATTERNS["llama3"] = PATTERNS["llama-bpe"]
 PATTERNS["starcoder"] = PATTERNS["smollm"]
@@ -246,7 +248,10 @@ class LlamaCodec(PromptCodec):
 
 def vocab_fingerprint(meta: Mapping[str, Any], tokens: Sequence[str]) -> str:
     digest = hashlib.sha256()
-    digest.update(str(meta.get("tokenizer.ggml.pre")).encode())
+    pre = str(meta.get("tokenizer.ggml.pre"))
+    digest.update(pre.encode())
+    # The split pattern too: counts cached under an older pattern must not be reused.
+    digest.update(PATTERNS.get(pre, "").encode())
     for token in tokens:
         digest.update(token.encode("utf-8", errors="surrogatepass"))
         digest.update(b"\x00")
