@@ -345,3 +345,20 @@ def test_no_state_is_saved_between_a_shift_and_the_next_decode(tiny_llama3_path:
             engine.context.seq_add(0, 10, -1, -10)
             with pytest.raises(KVCacheError, match="between a shift and the next decode"):
                 engine.context.state_seq_get(0)
+
+
+def test_states_in_ram_survive_a_restart(tiny_llama3_path: Path, tmp_path: Path) -> None:
+    options: dict[str, Any] = {"n_ctx": 256, "slots": 1, "swap_dir": tmp_path / "kv"}
+    with Engine.load(tiny_llama3_path, **options) as engine:
+        for cid, base in (("a", 1000), ("b", 2000)):  # b takes a's slot: a goes to RAM
+            lease = engine.lease(cid)
+            engine.prefill(list(range(base, base + 80)), seq_id=lease.seq_id)
+            engine.release(lease)
+        where = {row["conversation"]: row["where"] for row in engine.slot_table()["swapped"]}
+        assert where == {"a": "ram"}
+    with Engine.load(tiny_llama3_path, **options) as engine:
+        for cid, base in (("a", 1000), ("b", 2000)):
+            lease = engine.lease(cid)
+            assert lease.swap_in == "disk", cid
+            assert engine.cached_tokens(lease.seq_id) == tuple(range(base, base + 80))
+            engine.release(lease)
