@@ -202,7 +202,7 @@ class Scheduler:
         foreground_prefill = any(j.state == "prefill" and not j.background for j in self._jobs)
         parts: list[tuple[Job, list[int], bool]] = []
         used = 0
-        for job in self._jobs:
+        for job in list(self._jobs):  # _finish removes from the list
             if job.state != "decode" or not self._may_run(job):
                 continue
             if job.background and foreground_prefill:
