@@ -495,7 +495,7 @@ class NativeContext:
                 n_tokens=0,
                 code=-1,
             )
-        return bytes(buffer[:written])
+        return ctypes.string_at(buffer, written)  # one copy (slicing makes a list of ints)
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """Load a state saved by ``state_seq_get`` into (empty) ``seq_id``; False if refused."""
