@@ -413,6 +413,8 @@ def table(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for where in ("ram", "disk"):
+        if f"swap_{where}" not in results:  # --skip-swap
+            continue
         s = results[f"swap_{where}"]
         label = "RAM" if where == "ram" else "disk (swap_ram_mb=0)"
         if not s["pairs"]:
@@ -451,6 +453,8 @@ def table(results: dict[str, Any]) -> str:
 def notes(results: dict[str, Any]) -> str:
     lines = []
     for where in ("ram", "disk"):
+        if f"swap_{where}" not in results:  # --skip-swap
+            continue
         s = results[f"swap_{where}"]
         by = s["swap_ins_by_where"]
         lines.append(
@@ -506,6 +510,13 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=16, help="TTFT trials of each kind")
     # One thread by default: llama.cpp's spinning threads crawl on a shared, busy machine.
     parser.add_argument("--n-threads", type=int, default=1)
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="batching parts on split KV streams (kv_unified=False): each token attends to its "
+        "own conversation's cells only, not the whole pool",
+    )
+    parser.add_argument("--skip-swap", action="store_true", help="only the batching parts")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if args.quick:
@@ -518,15 +529,23 @@ def main() -> None:
         "conversations": args.conversations,
         "turns": args.turns,
         "slots_swap": 4,
+        "kv_unified_batching": not args.split,
     }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        results["swap_ram"] = swap_part(args, tmp, "ram")
-        results["swap_disk"] = swap_part(args, tmp, "disk")
+        if not args.skip_swap:
+            results["swap_ram"] = swap_part(args, tmp, "ram")
+            results["swap_disk"] = swap_part(args, tmp, "disk")
         with (
             loaded(
-                args.model, tmp, "batch", n_ctx=1024, slots=8, n_threads=args.n_threads
+                args.model,
+                tmp,
+                "batch",
+                n_ctx=1024,
+                slots=8,
+                n_threads=args.n_threads,
+                kv_unified=not args.split,
             ) as engine,
             Store(f"sqlite:///{tmp / 'batch.db'}") as store,
         ):
@@ -540,7 +559,8 @@ def main() -> None:
         f"{results['model']}, n_threads {args.n_threads}; swap: {args.conversations} "
         f"conversations x {args.turns} turns round-robin on 4 slots (n_ctx 1024 each, "
         f"{'whole messages' if args.full_messages else 'first sentence of each message'}); "
-        f"batching: slots=8, greedy, max_tokens {args.max_tokens}; wall "
+        f"batching: slots=8 ({'split streams' if args.split else 'unified pool'}), greedy, "
+        f"max_tokens {args.max_tokens}; wall "
         f"{results['wall_s']:.0f} s\n"
     )
     print(table(results))
