@@ -16,6 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("CHATCTX_ASSETS", str(ROOT / ".cache" / "assets"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # Session- and module-scoped engines are built before the per-test home below is set:
+    # their swap files and slot table must not land in the developer's real home.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CHATCTX_HOME", str(tmp_path_factory.mktemp("session-home")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CHATCTX_HOME", str(tmp_path / "home"))
