@@ -374,7 +374,7 @@ class ChatSession(Closeable):
         replies: list[Reply] = []
         for _ in self._open_stream(text, replies):
             pass
-        return replies[0]
+        return _stored(replies)
 
     def stream(self, text: str) -> Generator[str, None, None]:
         """Send a user message and yield the reply as it is generated.
@@ -390,7 +390,7 @@ class ChatSession(Closeable):
         replies: list[Reply] = []
         async for _ in self._astream(text, replies):
             pass
-        return replies[0]
+        return _stored(replies)
 
     def astream(self, text: str) -> AsyncIterator[str]:
         """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
@@ -683,6 +683,12 @@ class ChatSession(Closeable):
         if self.on_turn is not None:
             self.on_turn(turn)
         return reply
+
+
+def _stored(replies: list[Reply]) -> Reply:
+    if not replies:  # _finish stores nothing once the store is closed
+        raise ClosedError("store")
+    return replies[0]
 
 
 def _request_timings(

@@ -10,13 +10,13 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chatctx._files import write_atomic
 from chatctx.config import default_home
 from chatctx.engine._scheduler import BatchCounters
 from chatctx.engine._slots import SlotPool
@@ -190,12 +190,7 @@ class KVSlots:
 
     def write_table(self, batch: BatchCounters) -> None:
         """Write ``table()`` to the slot table file (atomically); failures are logged."""
-        path = self.path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.table(batch), f)
-            os.replace(tmp, path)
+            write_atomic(self.path, json.dumps(self.table(batch)).encode())
         except OSError as exc:
-            logger.debug("slot table not written to %s: %s", path, exc)
+            logger.debug("slot table not written to %s: %s", self.path, exc)

@@ -24,7 +24,7 @@ from chatctx.config import GenerationSettings
 from chatctx.engine._kv import KVReport
 from chatctx.engine._native import NativeContext, NativeModel, Sampler
 from chatctx.engine._results import GenerationResult, Timings, Usage
-from chatctx.errors import ClosedError
+from chatctx.errors import ClosedError, ConfigError
 
 logger = logging.getLogger("chatctx.engine")
 
@@ -117,10 +117,7 @@ class Scheduler:
         with self._work:
             if self._closing:
                 raise ClosedError("engine")
-            busy = [j for j in self._jobs if j.seq_id == job.seq_id]
-            if busy:
-                from chatctx.errors import ConfigError
-
+            if self.active(job.seq_id):
                 raise ConfigError(f"sequence {job.seq_id} is busy with another generation")
             job.t0 = time.perf_counter()
             self._jobs.append(job)

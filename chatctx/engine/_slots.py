@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from chatctx.engine._swap import SwapHit
-from chatctx.errors import ConfigError
+from chatctx.errors import ClosedError, ConfigError
 
 __all__ = ["Lease", "SlotPool"]
 
@@ -193,8 +193,6 @@ class SlotPool:
 
     def _check_open(self) -> None:
         if self._closed:
-            from chatctx.errors import ClosedError
-
             raise ClosedError("engine")
 
     def _take(self, slot: _Slot) -> None:

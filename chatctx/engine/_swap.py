@@ -15,15 +15,15 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import struct
-import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from chatctx._files import write_atomic
 
 logger = logging.getLogger("chatctx.engine")
 
@@ -80,6 +80,7 @@ class SwapCache:
         self.disk_bytes = disk_bytes
         self.directory = directory if disk_bytes > 0 else None
         self._ram: OrderedDict[str, SwapEntry] = OrderedDict()
+        self._ram_used = 0  # bytes of the states in _ram
         # What the files hold (owner -> row for the slot table), read once, then kept up to
         # date: the table is written at every lease and must not rescan the directory.
         self._disk: dict[str, dict[str, Any]] = self._scan()
@@ -90,7 +91,7 @@ class SwapCache:
 
     @property
     def ram_used(self) -> int:
-        return sum(e.size for e in self._ram.values())
+        return self._ram_used
 
     def _files(self) -> list[Path]:
         if self.directory is None or not self.directory.is_dir():
@@ -128,9 +129,9 @@ class SwapCache:
             self._drop(entry.owner)
             if entry.size <= self.ram_bytes:
                 self._ram[entry.owner] = entry
-                while self.ram_used > self.ram_bytes:
-                    _, old = self._ram.popitem(last=False)
-                    self._spill(old)
+                self._ram_used += entry.size
+                while self._ram_used > self.ram_bytes:
+                    self._spill(self._ram_pop(next(iter(self._ram))))
                 if entry.owner in self._ram:
                     return "ram"
                 return "disk" if self._on_disk(entry.owner) else "dropped"
@@ -146,8 +147,7 @@ class SwapCache:
         """Move every state held in RAM to disk (at shutdown)."""
         with self._lock:
             while self._ram:
-                _, entry = self._ram.popitem(last=False)
-                self._spill(entry, count=False)
+                self._spill(self._ram_pop(next(iter(self._ram))), count=False)
 
     def _on_disk(self, owner: str) -> bool:
         return self.directory is not None and self._path(owner).exists()
@@ -167,15 +167,10 @@ class SwapCache:
             }
         ).encode()
         path = self._path(entry.owner)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<Q", len(header)) + header + entry.data)
-            os.replace(tmp, path)
+            write_atomic(path, MAGIC + struct.pack("<Q", len(header)) + header + entry.data)
             stat = path.stat()
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             logger.warning("could not write swapped KV state of %s: %s", entry.owner, exc)
             return False
         self._disk[entry.owner] = _row(
@@ -211,9 +206,8 @@ class SwapCache:
     def take(self, owner: str) -> SwapHit:
         """Remove and return ``owner``'s state (RAM, then disk); a stale one is dropped."""
         with self._lock:
-            entry = self._ram.pop(owner, None)
-            if entry is not None:
-                return SwapHit(entry, "ram", None)
+            if owner in self._ram:
+                return SwapHit(self._ram_pop(owner), "ram", None)
             if self.directory is None:
                 return SwapHit(None, None, None)
             path = self._path(owner)
@@ -237,8 +231,14 @@ class SwapCache:
                 return SwapHit(None, None, mismatch)
             return SwapHit(entry, "disk", None)
 
+    def _ram_pop(self, owner: str) -> SwapEntry:
+        entry = self._ram.pop(owner)
+        self._ram_used -= entry.size
+        return entry
+
     def _drop(self, owner: str) -> None:
-        self._ram.pop(owner, None)
+        if owner in self._ram:
+            self._ram_pop(owner)
         self._disk.pop(owner, None)
         if self.directory is not None:
             with contextlib.suppress(OSError):

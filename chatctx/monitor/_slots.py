@@ -17,14 +17,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
-from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from chatctx._files import write_atomic
 from chatctx.config import default_home
 from chatctx.errors import StoreError
 
@@ -401,18 +400,7 @@ def write_slot_table(
         raise StoreError(f"{path}: cannot encode the slot table: {exc}") from exc
     checked = SlotTable.from_dict(json.loads(text), source=str(path))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Same directory, so os.replace is a rename within one file system. No fsync: the
-        # table is a live view rewritten often, and a reader needs it whole, not durable.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            with suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(path, text.encode("utf-8"))
     except OSError as exc:
         raise StoreError(f"cannot write slot table {path}: {exc.strerror or exc}") from exc
     return checked

@@ -317,6 +317,15 @@ def test_a_long_prefill_does_not_stall_running_streams(tiny_llama3_path: Path) -
 
     settings = GenerationSettings(temperature=0.0, max_tokens=400, repeat_penalty=1.0)
     with Engine.load(tiny_llama3_path, n_ctx=1024, slots=2, n_batch=1024) as engine:
+        # What llama.cpp is asked to decode, call by call: sequence -> tokens in that call.
+        calls: list[dict[int, int]] = []
+        decode_many = engine.context.decode_many
+
+        def recording(parts: Any) -> list[int]:
+            calls.append({seq: len(tokens) for seq, tokens, _, _ in parts})
+            return decode_many(parts)
+
+        engine.context.decode_many = recording  # type: ignore[method-assign]
         running = engine.generate([128000, 5, 6, 7], seq_id=0, settings=settings)
         stream = iter(running)
         next(stream)  # decoding now
@@ -328,10 +337,15 @@ def test_a_long_prefill_does_not_stall_running_streams(tiny_llama3_path: Path) -
         newcomer.wait()
         running.close()
         waiter.join()
-        chunks = newcomer._job.prefill_chunks
-        # In steps of at most one chunk (alone, it would have been one decode of 769).
-        assert sum(chunks) == len(long_prompt) and len(chunks) >= 3
-        assert max(chunks) <= PREFILL_CHUNK
+        prefill: list[dict[int, int]] = []  # the calls that evaluated the long prompt
+        for call in (c for c in calls if 1 in c):
+            if sum(c[1] for c in prefill) < len(long_prompt):
+                prefill.append(call)
+        # In steps of at most one chunk, beside the running stream's tokens (alone, it
+        # would have been one decode of 769).
+        assert sum(c[1] for c in prefill) == len(long_prompt) and len(prefill) >= 3
+        assert max(c[1] for c in prefill) <= PREFILL_CHUNK
+        assert any(c.get(0) == 1 for c in prefill)  # shared a decode with the stream
         assert newcomer.result is not None and newcomer.result.batch_max == 2
 
 
@@ -361,4 +375,5 @@ def test_states_in_ram_survive_a_restart(tiny_llama3_path: Path, tmp_path: Path)
             lease = engine.lease(cid)
             assert lease.swap_in == "disk", cid
             assert engine.cached_tokens(lease.seq_id) == tuple(range(base, base + 80))
+            assert engine.kv_cells(lease.seq_id) == 80  # llama.cpp's own count
             engine.release(lease)
