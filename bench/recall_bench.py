@@ -215,7 +215,7 @@ def main() -> None:
     conversations, split = load(args.probes)
     if args.only in (None, "everyday"):
         table(
-            "A. everyday facts in real chats (chitchat-dataset 0.9.0)",
+            f"A. everyday facts in real chats (chitchat-dataset 0.9.0; {args.probes.name})",
             conversations,
             codec,
             budgets,

@@ -66,7 +66,7 @@ class ContextSettings(_Model):
         "extractive", description="What folds evicted turns into the running summary."
     )
     summary_max_tokens: int = Field(
-        512, ge=16, description="Longest running summary (and at most half the budget)."
+        512, ge=16, description="Longest running summary (and at most 60% of the budget)."
     )
     summary_timeout_s: float = Field(60.0, gt=0, description="Give up summarizing after this.")
     truncate_oversized: bool = Field(

@@ -347,8 +347,9 @@ def messages_of(chat: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
-def choose(data: dict[str, Any]) -> list[tuple[str, list[dict[str, str]]]]:
-    """``CONVERSATIONS`` chats spread over the length range of those with 50+ user turns."""
+def choose(data: dict[str, Any], offset: float = 0.0) -> list[tuple[str, list[dict[str, str]]]]:
+    """``CONVERSATIONS`` chats spread over the length range of those with 50+ user turns;
+    ``offset`` (0 to 1, a fraction of the stride) picks another set of the same spread."""
     long = []
     for cid in sorted(data):
         msgs = messages_of(data[cid])
@@ -357,11 +358,20 @@ def choose(data: dict[str, Any]) -> list[tuple[str, list[dict[str, str]]]]:
             long.append((n, cid, msgs))
     long.sort()
     step = len(long) / CONVERSATIONS
-    return [(long[int(i * step)][1], long[int(i * step)][2]) for i in range(CONVERSATIONS)]
+    picks = [int((i + offset) * step) for i in range(CONVERSATIONS)]
+    return [(long[i][1], long[i][2]) for i in picks]
+
+
+Kinds = dict[str, tuple[list[str], list[str], list[str]]]
 
 
 def plant(
-    cid: str, msgs: list[dict[str, str]], rng: random.Random, counts: dict[str, int]
+    cid: str,
+    msgs: list[dict[str, str]],
+    rng: random.Random,
+    counts: dict[str, int],
+    kinds_: Kinds = KINDS,
+    split: str | None = None,
 ) -> dict[str, Any]:
     user_at = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     if len(user_at) > MAX_TURNS:  # cut after the 250th user turn's replies
@@ -371,14 +381,14 @@ def plant(
     text = "\n".join(m["content"] for m in msgs).casefold()
     k = 4 if n >= 100 else 3
     # Least-used kinds first, so the set covers every kind about evenly.
-    kinds = sorted(KINDS, key=lambda kind: (counts.get(kind, 0), rng.random()))
+    kinds = sorted(kinds_, key=lambda kind: (counts.get(kind, 0), rng.random()))
     plant_turns = sorted(rng.sample(range(1, min(20, n - 31)), k))
     used_asks: set[int] = set(plant_turns)
     probes = []
     for turn in plant_turns:
         while kinds:
             kind = kinds.pop(0)
-            values, templates, questions = KINDS[kind]
+            values, templates, questions = kinds_[kind]
             fresh = [v for v in values if v.casefold() not in text]
             if fresh:
                 break
@@ -404,7 +414,7 @@ def plant(
                 "asked_turn": ask,
                 "question": question,
                 "said": sentence,
-                "split": "dev" if t_index % 2 == 0 else "heldout",
+                "split": split or ("dev" if t_index % 2 == 0 else "heldout"),
             }
         )
     for p in probes:  # the answer appears only where it was planted
@@ -422,11 +432,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", help="dataset.json (default: the installed package's)")
     parser.add_argument("-o", "--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--templates",
+        type=Path,
+        help="JSON {kind: {values, templates, questions}} instead of the built-in kinds; "
+        "every probe's split is then the file's stem",
+    )
+    parser.add_argument("--offset", type=float, default=0.0, help="another set of chats (0-1)")
+    parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args()
     data = load(args.source)
-    rng = random.Random(SEED)
+    rng = random.Random(args.seed)
     counts: dict[str, int] = {}
-    rows = [plant(cid, msgs, rng, counts) for cid, msgs in choose(data)]
+    kinds, split = KINDS, None
+    if args.templates:
+        spec = json.loads(args.templates.read_text(encoding="utf-8"))
+        kinds = {k: (v["values"], v["templates"], v["questions"]) for k, v in spec.items()}
+        split = args.templates.stem.removesuffix("_templates")
+    rows = [plant(cid, msgs, rng, counts, kinds, split) for cid, msgs in choose(data, args.offset)]
     # No name and no time in the gzip header: the same rows give the same bytes.
     with (
         open(args.out, "wb") as f,

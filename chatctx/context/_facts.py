@@ -1,6 +1,6 @@
 """Facts a running summary must keep, found with no model.
 
-Two kinds:
+Three kinds:
 
 - **Identifiers** a support conversation must not lose: order and ticket numbers, product
   models, amounts, e-mail addresses, capitalized names people introduce themselves with.
@@ -10,6 +10,10 @@ Two kinds:
   names of people and pets, family, home and origin, work and study, belongings and where they
   were left, plans and dates, preferences, open requests. Transient chat ("lol ok", "im tired")
   does not.
+- **Minor facts**: any other user sentence that names something specific (a word outside
+  everyday chat vocabulary: "propranolol", "Poughkeepsie", "bouldering"), or speaks about
+  the speaker with content words. A recognized statement with nothing specific in it, no
+  number, date or name ("i really like tacos") scores lower, and may become minor.
 
 The patterns are general English, not tuned to a data set; every function is pure and
 deterministic. Facts are compared as parsed sets (:func:`fact_set`), never by substring.
@@ -19,6 +23,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from importlib.resources import files
+
+from chatctx.store._search import STOPWORDS
 
 __all__ = [
     "FACTS_PREFIX",
@@ -27,6 +34,7 @@ __all__ = [
     "identifiers",
     "line_key",
     "sentences",
+    "specific_words",
     "statement",
     "statement_score",
     "statements",
@@ -352,6 +360,48 @@ _CLAUSE_BREAK = re.compile(
     _I,
 )
 THRESHOLD = 2.0
+# A sentence no pattern recognizes can still hold a fact: "pharmacy was out of propranolol
+# again", "i swapped my civic for a used tacoma". It is kept as a *minor* fact when it names
+# something specific (a word outside everyday chat vocabulary, see ``specific_words``) or
+# speaks about the speaker with at least ``MINOR_WORDS`` content words. Minor facts score
+# below ``THRESHOLD``, so below every recognized one, and a summary gives them only part of
+# its room (see ``ExtractiveSummarizer``).
+MINOR_WEIGHT = 1.0
+MINOR_CAP = 1.5
+MINOR_WORDS = 2
+MINOR_SHORT = 6  # a longer minor sentence is cut to the words around what is specific in it
+# Words that say nothing about the speaker, beyond the search's stopwords: fillers, vague
+# verbs and adjectives of chat, words typed without their apostrophe.
+_VAGUE = frozenset(
+    """
+    across ago agree almost already although always among another anybody anyone anyways
+    around away awesome aww back bad basically became become btw came come comes coming crazy
+    day days definitely done dude dunno either enough every everybody everyone feel feeling
+    felt fine fun funny gets getting glad goes going gone gotta gotten guy guys hahaha happy
+    hed hehe hell hes honestly hope however huh idk ill instead interesting ive kinda knew least
+    less lets likely literally lmao look looked looking looks lots made make makes making man
+    many may mine nah near neither never next nobody none often omg onto oops others otherwise
+    people per perhaps person pretty probably quite rather sad says see seem seems seen
+    seriously shes since somebody someone sometimes somewhat soon sorry sorta sound sounds super
+    take takes taking tbh thats theres theyre tho thought thus till time times today together
+    tonight took totally toward towards tried true try trying ugh upon wanted week weird went
+    weve whatever whenever wherever whether whoever whole whose wish within without wow yea
+    year years youd youll youre youve yup
+    """.split()  # noqa: SIM905
+)
+_EMPTY_WORDS = STOPWORDS | _VAGUE
+# Everyday chat vocabulary: words used in at least 5 of 6,890 short chats of a public chat
+# corpus (bench/facts/build_common_words.py says how the list was made).
+_COMMON = frozenset(
+    files("chatctx").joinpath("data/common_words.txt").read_text(encoding="utf-8").split()
+)
+# Someone or something other than the speaker that a sentence can be about.
+_SOMEONE_ELSE = re.compile(
+    r"\b(?:you|u|ur|your|yours|youre|he|him|his|hes|she|hers|shes|they|them|their|theirs|"
+    r"theyre|it|its|that|thats|this|these|those|there|theres|here|someone|somebody|everyone|"
+    r"everybody|people|who|what|which)\b"
+)
+_ALPHA = re.compile(r"[^\W\d_]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +435,20 @@ def line_key(text: str) -> str:
     return " ".join(_WORD.findall(text.casefold()))
 
 
+def specific_words(said: str) -> int:
+    """How many different words of ``said`` are specific: outside everyday chat vocabulary
+    (``chatctx/data/common_words.txt``) and not fillers, e.g. "propranolol", "Poughkeepsie",
+    "bouldering", but not "class", "pizza" or "tired"."""
+    words = {word.casefold() for word in _ALPHA.findall(said)}
+    return sum(1 for w in words if len(w) > 2 and w not in _EMPTY_WORDS and w not in _COMMON)
+
+
+def _content_words(low: str) -> int:
+    """How many different words of ``low`` say something: not function words, fillers or
+    numbers."""
+    return len({w for w in _ALPHA.findall(low) if len(w) > 2 and w not in _EMPTY_WORDS})
+
+
 def _tidy(sentence: str) -> str:
     text = _TRAIL.sub("", _LEAD.sub("", sentence))
     return text.strip(" ,;:-")
@@ -396,8 +460,9 @@ def statement(sentence: str) -> Statement | None:
     said = " ".join(sentence.translate(_APOSTROPHES).split()[:MAX_WORDS])
     text = _tidy(said)
     low = text.lower()  # the patterns are lower case: matching without IGNORECASE is 2x faster
-    if len(text) < 6 or _QUESTION.search(low):
-        return None
+    words = low.split()
+    if len(text) < 6 or _QUESTION.search(low) or len(set(words)) * 2 < len(words):
+        return None  # a question, too short, or the same words over and over
     said_low = said.lower()
     # Chat drops the subject ("just bought a prius", "born and raised in X"): it is "I".
     probe = f"i {low} / {said_low}" if _DROPPED_SUBJECT.match(low) else said_low
@@ -406,23 +471,41 @@ def statement(sentence: str) -> Statement | None:
     speaker = _ANCHOR.search(probe) is not None or _IMPLIED_SPEAKER.search(probe) is not None
     cues = _CUES if speaker else _SELF_EVIDENT_CUES
     kinds = [(weight, kind) for kind, weight, pattern in cues if pattern.search(probe)]
+    specific = specific_words(said)
+    score = 0.0
+    detail = 1.5 if _DATE.search(said_low) else 1.0 if _NUMBER.search(said_low) else 0.0
+    proper = 0.5 if _PROPER.search(said) else 0.0
+    if kinds:
+        kinds.sort(key=lambda k: -k[0])
+        score = kinds[0][0] + min(1.0, 0.5 * (len(kinds) - 1)) + detail + proper
+        # What is specific is what a later question needs; a pattern match with nothing
+        # specific, no number, date or name ("i like learning") is worth less.
+        score += 0.5 * min(2, specific) if specific else (0.0 if detail or proper else -0.5)
+        if score < THRESHOLD:
+            kinds = []  # kept as a minor fact below
+    recognized = score > 0
     if not kinds:
-        return None
-    kinds.sort(key=lambda k: -k[0])
-    score = kinds[0][0] + min(1.0, 0.5 * (len(kinds) - 1))
-    if _DATE.search(said_low):
-        score += 1.5
-    elif _NUMBER.search(said_low):
-        score += 1.0
-    if _PROPER.search(said):
-        score += 0.5
-    if score < THRESHOLD:
-        return None
+        # Chat drops the "I": a line about nobody else ("new job at the bakery, starts
+        # monday") is the speaker's own.
+        about_speaker = speaker or _SOMEONE_ELSE.search(low) is None
+        content = about_speaker and _content_words(low) >= MINOR_WORDS
+        if not (specific or content or recognized):
+            return None
+        extra = min(2, specific + (1 if detail or proper else 0))
+        score = min(MINOR_CAP, MINOR_WEIGHT + 0.25 * extra + (0.25 if speaker else 0.0))
+        kinds = [(score, "minor")]
     if len(text.split()) > SHORT_WORDS:  # keep the clause that says it, not the whole ramble
         for piece in _CLAUSE_BREAK.split(text):
             if len(piece.split()) >= 2 and any(p.search(piece.lower()) for _, _, p in _CUES):
                 text = piece.strip(" ,;:-")
                 break
+    if kinds[0][1] == "minor" and len(text.split()) > MINOR_SHORT:
+        # A minor fact is worth its specific words: keep them with three words either side.
+        words = text.split()
+        hits = [i for i, w in enumerate(words) if specific_words(w) or _NUMBER.search(w.lower())]
+        if hits:
+            lo, hi = max(0, hits[0] - 3), min(len(words), hits[-1] + 4)
+            text = " ".join(words[lo:hi]).strip(" ,;:-")
     if len(text.split()) < 2:
         return None
     # A summary holds few tokens: at equal worth, the shorter statement is the better buy.
