@@ -29,7 +29,7 @@ from chatctx.engine._pool import KVSlots
 from chatctx.engine._results import GenerationResult, ModelInfo
 from chatctx.engine._scheduler import BatchCounters, Job, Scheduler
 from chatctx.engine._sequences import prepare
-from chatctx.engine._slots import Lease
+from chatctx.engine._slots import PooledLeases
 from chatctx.engine._template import RenderedPrompt, template_for
 from chatctx.errors import ChatctxError, ClosedError, ConfigError, GenerationError, ModelError
 
@@ -110,7 +110,7 @@ class Generation:
         return self.result
 
 
-class Engine(Closeable):
+class Engine(PooledLeases, Closeable):
     """llama.cpp with a Llama-3-style GGUF: tokenizer, chat template, KV slots, a scheduler.
 
     ``n_ctx`` is the context of one conversation; the KV cache holds ``slots`` of them plus
@@ -395,23 +395,7 @@ class Engine(Closeable):
 
     # slots --------------------------------------------------------------------------------
 
-    def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
-        """A slot for one turn of ``conversation``: its own cache if still there, else a free
-        or least recently used idle slot (its owner is swapped out), restored from a swap
-        when ``conversation`` had one. Waits while every slot is leased."""
-        self._check_open()
-        return self.pool.lease(conversation, timeout=timeout)
-
-    def release(self, lease: Lease) -> None:
-        self.pool.release(lease)
-
-    def pin(self, conversation: str, seq_id: int) -> None:
-        """Give ``conversation`` slot ``seq_id`` until ``unpin`` (the expert ``seq_id=``)."""
-        self._check_open()
-        self.pool.pin(conversation, seq_id)
-
-    def unpin(self, conversation: str) -> None:
-        self.pool.unpin(conversation)
+    # lease, release, pin, unpin: PooledLeases
 
     def slot_table(self) -> dict[str, Any]:
         """The pool as the monitor shows it (``chatctx stats --slots``)."""

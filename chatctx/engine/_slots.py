@@ -209,3 +209,31 @@ class SlotPool:
             return free[0]
         idle = [s for s in self.slots if not s.leased and not s.pinned]
         return min(idle, key=lambda s: s.last_use) if idle else None
+
+
+class PooledLeases:
+    """``lease``, ``release``, ``pin`` and ``unpin`` of a backend whose slots are ``pool``
+    (the engine's and the dry replay's)."""
+
+    pool: SlotPool
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
+        """A slot for one turn of ``conversation``: its own cache if still there, else a free
+        or least recently used idle slot (its owner is swapped out), restored from a swap
+        when ``conversation`` had one. Waits while every slot is leased."""
+        self._check_open()
+        return self.pool.lease(conversation, timeout=timeout)
+
+    def release(self, lease: Lease) -> None:
+        self.pool.release(lease)
+
+    def pin(self, conversation: str, seq_id: int) -> None:
+        """Give ``conversation`` slot ``seq_id`` until ``unpin`` (the expert ``seq_id=``)."""
+        self._check_open()
+        self.pool.pin(conversation, seq_id)
+
+    def unpin(self, conversation: str) -> None:
+        self.pool.unpin(conversation)

@@ -20,10 +20,10 @@ from typing import Any
 
 from chatctx._resource import Closeable
 from chatctx.config import GenerationSettings
-from chatctx.engine import GenerationResult, KVReport, Lease, ModelInfo, Timings, Usage, plan_reuse
+from chatctx.engine import GenerationResult, KVReport, ModelInfo, Timings, Usage, plan_reuse
 from chatctx.engine._codec import PromptCodec
 from chatctx.engine._memory import pad256
-from chatctx.engine._slots import SlotPool
+from chatctx.engine._slots import PooledLeases, SlotPool
 from chatctx.engine._swap import SwapHit
 from chatctx.errors import ClosedError, ConfigError, GenerationError
 
@@ -76,7 +76,7 @@ class DryGeneration:
         return self.result
 
 
-class DryBackend(Closeable):
+class DryBackend(PooledLeases, Closeable):
     """``Backend`` for dry runs: ``codec`` tokenizes, ``slots`` simulated KV sequences.
 
     ``n_ctx`` is rounded up to 256, as ``Engine`` does. A conversation that loses its slot to
@@ -156,19 +156,7 @@ class DryBackend(Closeable):
 
     # slots --------------------------------------------------------------------------------
 
-    def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
-        self._check_open()
-        return self.pool.lease(conversation, timeout=timeout)
-
-    def release(self, lease: Lease) -> None:
-        self.pool.release(lease)
-
-    def pin(self, conversation: str, seq_id: int) -> None:
-        self._check_open()
-        self.pool.pin(conversation, seq_id)
-
-    def unpin(self, conversation: str) -> None:
-        self.pool.unpin(conversation)
+    # lease, release, pin, unpin: PooledLeases
 
     def _swap_out(self, seq_id: int, owner: str) -> None:
         with self._lock:
