@@ -192,9 +192,10 @@ class ExtractiveSummarizer:
         if used > room:
             return None
         chosen: list[_Item] = []
+        costs = {c[1]: self.count(c[3]) + 2 for c in candidates}
         # Best value per token first: a summary is a knapsack of tokens.
-        for item in sorted(candidates, key=lambda c: (-c[0] / (self.count(c[3]) + 2), c[1])):
-            cost = self.count(item[3]) + 2
+        for item in sorted(candidates, key=lambda c: (-c[0] / costs[c[1]], c[1])):
+            cost = costs[item[1]]
             if used + cost <= (room if item[0] >= _SALIENT else min(room, minor_room)):
                 chosen.append(item)
                 used += cost
