@@ -8,8 +8,11 @@ The extractive summarizer calls a word *specific* when it is not in this list ("
 sentence without one is usually chit-chat. The list holds every word of 3 or more letters,
 case-folded, used in at least ``--min-chats`` of the chats of PyPI ``chitchat-dataset``
 0.9.0 (MIT licence; BYU's Chit-Chat Challenge) that have **fewer** than 50 user turns:
-6,890 chats. The fact benchmarks (``build_probes.py``) use only chats with 50 or more user
-turns, so no chat is in both. Deterministic: the same source gives the same file.
+6,890 chats. Each line is a word and the number of chats it is used in; the first line,
+``# chats N``, is how many chats were counted. The counts say how rare a common word is
+("went" is in 635 chats, "therapy" in 22): see ``chatctx.context._facts.rarity``. The fact
+benchmarks (``build_probes.py``) use only chats with 50 or more user turns, so no chat is in
+both. Deterministic: the same source gives the same file.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def main() -> None:
             words.update(w for w in _WORD.findall(m["content"].casefold()) if len(w) >= 3)
         used_in.update(words)
     common = sorted(w for w, n in used_in.items() if n >= args.min_chats)
-    args.out.write_text("\n".join(common) + "\n", encoding="utf-8")
+    lines = [f"# chats {chats}"] + [f"{w} {used_in[w]}" for w in common]
+    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"{args.out}: {len(common):,} words used in {args.min_chats}+ of {chats:,} chats")
 
 

@@ -12,8 +12,9 @@ Three kinds:
   does not.
 - **Minor facts**: any other user sentence that names something specific (a word outside
   everyday chat vocabulary: "propranolol", "Poughkeepsie", "bouldering"), or speaks about
-  the speaker with content words. A recognized statement with nothing specific in it, no
-  number, date or name ("i really like tacos") scores lower, and may become minor.
+  the speaker with content words, if its words are rare enough in everyday chat to tell
+  something; the rarer, the more it is worth. A recognized statement with nothing specific
+  in it, no number, date or name ("i really like tacos") scores lower, and may become minor.
 
 The patterns are general English, not tuned to a data set; every function is pure and
 deterministic. Facts are compared as parsed sets (:func:`fact_set`), never by substring.
@@ -21,6 +22,7 @@ deterministic. Facts are compared as parsed sets (:func:`fact_set`), never by su
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from importlib.resources import files
@@ -363,11 +365,18 @@ THRESHOLD = 2.0
 # A sentence no pattern recognizes can still hold a fact: "pharmacy was out of propranolol
 # again", "i swapped my civic for a used tacoma". It is kept as a *minor* fact when it names
 # something specific (a word outside everyday chat vocabulary, see ``specific_words``) or
-# speaks about the speaker with at least ``MINOR_WORDS`` content words. Minor facts score
-# below ``THRESHOLD``, so below every recognized one, and a summary gives them only part of
-# its room (see ``ExtractiveSummarizer``).
-MINOR_WEIGHT = 1.0
-MINOR_CAP = 1.5
+# speaks about the speaker with at least ``MINOR_WORDS`` content words, and its words are
+# rare enough to tell something (``information``): everyday chat says many such sentences,
+# and the summary's room is small. Its score grows with what it tells, so value per token
+# prefers the dense ones. Minor facts score below ``THRESHOLD``, so below every recognized
+# one, and a summary gives them only part of its room (see ``ExtractiveSummarizer``).
+MINOR_WEIGHT = 0.5
+MINOR_INFO = 0.5  # score per word's worth of ``information``
+MINOR_CAP = 1.9  # below THRESHOLD: a minor fact never outranks a recognized one
+# A minor fact must tell at least this much (a number, date or name counts 0.5): "i wonder
+# when he went to bed" (0) is chat, "picked up beekeeping over the summer" (1.3) is not.
+MIN_INFORMATION = 0.8
+RARE_FROM = 0.45  # rarity above which a word tells something ("summer" 0.31, "therapy" 0.65)
 MINOR_WORDS = 2
 MINOR_SHORT = 6  # a longer minor sentence is cut to the words around what is specific in it
 # Words that say nothing about the speaker, beyond the search's stopwords: fillers, vague
@@ -390,11 +399,21 @@ _VAGUE = frozenset(
     """.split()  # noqa: SIM905
 )
 _EMPTY_WORDS = STOPWORDS | _VAGUE
-# Everyday chat vocabulary: words used in at least 5 of 6,890 short chats of a public chat
-# corpus (bench/facts/build_common_words.py says how the list was made).
-_COMMON = frozenset(
-    files("chatctx").joinpath("data/common_words.txt").read_text(encoding="utf-8").split()
-)
+
+
+def _load_vocabulary() -> tuple[int, dict[str, int]]:
+    """Everyday chat vocabulary: each word used in at least 5 of 6,890 short chats of a
+    public chat corpus, with the number of chats it is in (bench/facts/build_common_words.py
+    says how the list was made)."""
+    text = files("chatctx").joinpath("data/common_words.txt").read_text(encoding="utf-8")
+    head, _, body = text.partition("\n")
+    pairs = (line.split() for line in body.splitlines() if line.strip())
+    return int(head.split()[-1]), {word: int(count) for word, count in pairs}
+
+
+_CHATS, _USED_IN = _load_vocabulary()
+_COMMON = frozenset(_USED_IN)
+_LOG_CHATS = math.log(_CHATS)
 # Someone or something other than the speaker that a sentence can be about.
 _SOMEONE_ELSE = re.compile(
     r"\b(?:you|u|ur|your|yours|youre|he|him|his|hes|she|hers|shes|they|them|their|theirs|"
@@ -441,6 +460,23 @@ def specific_words(said: str) -> int:
     "bouldering", but not "class", "pizza" or "tired"."""
     words = {word.casefold() for word in _ALPHA.findall(said)}
     return sum(1 for w in words if len(w) > 2 and w not in _EMPTY_WORDS and w not in _COMMON)
+
+
+def rarity(word: str) -> float:
+    """How rare a case-folded word is in everyday chat, from 0 (in every chat) to 1 (in none
+    of the counted ones): the share of the chats' log-count it takes to find it,
+    ``log(N / (chats with it + 1)) / log(N)``. "went" 0.27, "summer" 0.31, "therapy" 0.65,
+    "propranolol" 1."""
+    return max(0.0, math.log(_CHATS / (_USED_IN.get(word, 0) + 1)) / _LOG_CHATS)
+
+
+def information(low: str) -> float:
+    """What a case-folded sentence tells, in words' worth: each different content word
+    counts for how much rarer it is than everyday chat (``rarity`` above ``RARE_FROM``,
+    scaled to 0..1). "i wonder when he went to bed" 0, "picked up beekeeping over the
+    summer, obsessed now" 1.3."""
+    words = {w for w in _ALPHA.findall(low) if len(w) > 2 and w not in _EMPTY_WORDS}
+    return sum(max(0.0, rarity(w) - RARE_FROM) / (1.0 - RARE_FROM) for w in words)
 
 
 def _content_words(low: str) -> int:
@@ -491,8 +527,10 @@ def statement(sentence: str) -> Statement | None:
         content = about_speaker and _content_words(low) >= MINOR_WORDS
         if not (specific or content or recognized):
             return None
-        extra = min(2, specific + (1 if detail or proper else 0))
-        score = min(MINOR_CAP, MINOR_WEIGHT + 0.25 * extra + (0.25 if speaker else 0.0))
+        told = information(low) + (0.5 if detail or proper else 0.0)
+        if told < MIN_INFORMATION and not recognized:
+            return None
+        score = min(MINOR_CAP, MINOR_WEIGHT + MINOR_INFO * told + (0.25 if speaker else 0.0))
         kinds = [(score, "minor")]
     if len(text.split()) > SHORT_WORDS:  # keep the clause that says it, not the whole ramble
         for piece in _CLAUSE_BREAK.split(text):

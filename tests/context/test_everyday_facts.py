@@ -8,6 +8,8 @@ template of the benchmark's probe set (bench/facts/build_probes.py).
 
 from __future__ import annotations
 
+from importlib.resources import files
+
 import pytest
 
 from chatctx.context import ExtractiveSummarizer
@@ -284,3 +286,38 @@ def test_compaction_drops_minor_facts_before_recognized_ones(llama3_codec: Tikto
     # Dropping by age would have kept the newer minor fact and dropped ruth and penicillin.
     assert "pinball" not in summary
     assert "ruth" in summary and "lisbon" in summary
+
+
+# About the speaker, but in words every chat uses: the summary's room would fill with these
+# before the facts a later question needs. Written for this test.
+EVERYDAY_WORDS_ONLY = [
+    "i wonder when he went to bed",
+    "i usually forget to eat until late",
+    "now its ten and i just realized",
+]
+
+
+@pytest.mark.parametrize("said", EVERYDAY_WORDS_ONLY)
+def test_a_sentence_of_everyday_words_is_not_a_minor_fact(said: str) -> None:
+    assert statement(said) is None
+
+
+def _chats_using(word: str) -> int:
+    """The word's count as written in the shipped vocabulary file (0 if not listed)."""
+    text = files("chatctx").joinpath("data/common_words.txt").read_text(encoding="utf-8")
+    for line in text.splitlines()[1:]:
+        listed, count = line.split()
+        if listed == word:
+            return int(count)
+    return 0
+
+
+def test_a_minor_fact_is_worth_more_the_rarer_its_words() -> None:
+    # The same sentence with a word used in fewer chats of the vocabulary file each time.
+    words = ["cars", "furniture", "harpsichords"]
+    counts = [_chats_using(w) for w in words]
+    assert counts[0] > counts[1] > counts[2] == 0
+    found = [statement(f"i restore old {w}") for w in words]
+    assert all(f is not None and f.kinds == ("minor",) for f in found)
+    scores = [f.score for f in found if f is not None]
+    assert scores[0] < scores[1] < scores[2] < THRESHOLD
