@@ -95,6 +95,8 @@ class ChatSession(Closeable):
         self._owns_store = owns_store
         self._owns_engine = owns_engine
         self._builder: ContextBuilder | None = None
+        self._background: BackgroundSummarizer | None = None  # a summary written off-turn
+        self._cancel_summary = threading.Event()  # set at close: stop writing it
         self._builder_settings: ContextSettings | None = None
         self.last_reply: Reply | None = None
         self.last_build: BuildResult | None = None  # the context sent on the last turn
@@ -186,6 +188,7 @@ class ChatSession(Closeable):
         if self._closed:
             return
         self._closed = True
+        self._stop_summary()
         if self._pinned and not self.engine.closed:
             self.engine.unpin(self.conversation_id)
         if self._owns_engine:
@@ -196,6 +199,18 @@ class ChatSession(Closeable):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _stop_summary(self) -> None:
+        """Stop a summary still being written in the background and wait until its side
+        sequence is free again: once the session is gone nobody would take the result, and
+        the engine could not clear or reuse that sequence meanwhile."""
+        background, self._background = self._background, None
+        if background is None or not background.running():
+            return
+        self._cancel_summary.set()
+        if not background.wait(timeout=background.timeout_s):
+            logger.warning("the background summary did not stop")
+        self._cancel_summary = threading.Event()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -253,6 +268,8 @@ class ChatSession(Closeable):
                     summarizer = BackgroundSummarizer(
                         summarizer.fold, timeout_s=settings.summary_timeout_s
                     )
+                    self._stop_summary()  # one written for the settings before, if any
+                    self._background = summarizer
             store, cid = self.store, self.conversation_id
             self._builder = ContextBuilder(
                 codec,
@@ -355,7 +372,11 @@ class ChatSession(Closeable):
         prompt = self.engine.prompt_tokens(messages)
         if self._side_sequence():
             return self.engine.side_generate(
-                prompt, settings=sampling, background=background, deadline=deadline
+                prompt,
+                settings=sampling,
+                background=background,
+                deadline=deadline,
+                cancel=self._cancel_summary if background else None,
             )
         assert self._lease is not None, "summaries run while the turn holds its slot"
         generation = self.engine.generate(prompt, seq_id=self._lease.seq_id, settings=sampling)

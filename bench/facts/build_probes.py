@@ -347,9 +347,12 @@ def messages_of(chat: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
-def choose(data: dict[str, Any], offset: float = 0.0) -> list[tuple[str, list[dict[str, str]]]]:
+def choose(
+    data: dict[str, Any], offset: float = 0.0, avoid: frozenset[str] = frozenset()
+) -> list[tuple[str, list[dict[str, str]]]]:
     """``CONVERSATIONS`` chats spread over the length range of those with 50+ user turns;
-    ``offset`` (0 to 1, a fraction of the stride) picks another set of the same spread."""
+    ``offset`` (0 to 1, a fraction of the stride) picks another set of the same spread. A
+    pick in ``avoid`` (ids of other probe sets' chats) moves to the next longer chat not used."""
     long = []
     for cid in sorted(data):
         msgs = messages_of(data[cid])
@@ -358,7 +361,12 @@ def choose(data: dict[str, Any], offset: float = 0.0) -> list[tuple[str, list[di
             long.append((n, cid, msgs))
     long.sort()
     step = len(long) / CONVERSATIONS
-    picks = [int((i + offset) * step) for i in range(CONVERSATIONS)]
+    picks: list[int] = []
+    for i in range(CONVERSATIONS):
+        pick = int((i + offset) * step)
+        while f"chitchat-{long[pick][1][:8]}" in avoid or pick in picks:
+            pick = (pick + 1) % len(long)
+        picks.append(pick)
     return [(long[i][1], long[i][2]) for i in picks]
 
 
@@ -440,6 +448,13 @@ def main() -> None:
     )
     parser.add_argument("--offset", type=float, default=0.0, help="another set of chats (0-1)")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--avoid",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="probe sets (.jsonl.gz) whose chats this set must not use",
+    )
     args = parser.parse_args()
     data = load(args.source)
     rng = random.Random(args.seed)
@@ -449,7 +464,12 @@ def main() -> None:
         spec = json.loads(args.templates.read_text(encoding="utf-8"))
         kinds = {k: (v["values"], v["templates"], v["questions"]) for k, v in spec.items()}
         split = args.templates.stem.removesuffix("_templates")
-    rows = [plant(cid, msgs, rng, counts, kinds, split) for cid, msgs in choose(data, args.offset)]
+    avoid: set[str] = set()
+    for path in args.avoid:
+        with gzip.open(path, "rt", encoding="utf-8") as other:
+            avoid.update(json.loads(line)["id"] for line in other)
+    chosen = choose(data, args.offset, frozenset(avoid))
+    rows = [plant(cid, msgs, rng, counts, kinds, split) for cid, msgs in chosen]
     # No name and no time in the gzip header: the same rows give the same bytes.
     with (
         open(args.out, "wb") as f,

@@ -374,11 +374,11 @@ MINOR_WEIGHT = 0.5
 MINOR_INFO = 0.5  # score per word's worth of ``information``
 MINOR_CAP = 1.9  # below THRESHOLD: a minor fact never outranks a recognized one
 # A minor fact must tell at least this much (a number, date or name counts 0.5): "i wonder
-# when he went to bed" (0) is chat, "picked up beekeeping over the summer" (1.3) is not.
-MIN_INFORMATION = 0.8
+# when he went to bed" (0) is chat; "picked up beekeeping over the summer" (1.2) and "quit
+# my old job, i'm at the hospital now" (0.6) are not.
+MIN_INFORMATION = 0.5
 RARE_FROM = 0.45  # rarity above which a word tells something ("summer" 0.31, "therapy" 0.65)
 MINOR_WORDS = 2
-MINOR_SHORT = 6  # a longer minor sentence is cut to the words around what is specific in it
 # Words that say nothing about the speaker, beyond the search's stopwords: fillers, vague
 # verbs and adjectives of chat, words typed without their apostrophe.
 _VAGUE = frozenset(
@@ -537,13 +537,6 @@ def statement(sentence: str) -> Statement | None:
             if len(piece.split()) >= 2 and any(p.search(piece.lower()) for _, _, p in _CUES):
                 text = piece.strip(" ,;:-")
                 break
-    if kinds[0][1] == "minor" and len(text.split()) > MINOR_SHORT:
-        # A minor fact is worth its specific words: keep them with three words either side.
-        words = text.split()
-        hits = [i for i, w in enumerate(words) if specific_words(w) or _NUMBER.search(w.lower())]
-        if hits:
-            lo, hi = max(0, hits[0] - 3), min(len(words), hits[-1] + 4)
-            text = " ".join(words[lo:hi]).strip(" ,;:-")
     if len(text.split()) < 2:
         return None
     # A summary holds few tokens: at equal worth, the shorter statement is the better buy.

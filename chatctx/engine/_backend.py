@@ -8,6 +8,7 @@ llama-server would be a third.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -85,6 +86,7 @@ class Backend(Protocol):
         settings: GenerationSettings,
         background: bool = False,
         deadline: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> str: ...
 
     def kv_usage(self) -> dict[int, int]: ...

@@ -420,13 +420,15 @@ class Engine(PooledLeases, Closeable):
         settings: GenerationSettings,
         background: bool = False,
         deadline: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> str:
         """Generate on the spare sequence (a summary, say) and return the text.
 
         One side generation runs at a time; the spare sequence is emptied afterwards. In the
         background it joins the scheduler's steps only while no customer's prompt is being
         evaluated, in small chunks. ``deadline`` (``time.monotonic()``) raises
-        ``TimeoutError`` once passed.
+        ``TimeoutError`` once passed; ``cancel``, once set, stops it at the next step with
+        ``GenerationError``.
         """
         spare = self.spare_seq
         if spare is None:
@@ -440,6 +442,8 @@ class Engine(PooledLeases, Closeable):
         if settings.max_tokens > room:
             settings = settings.model_copy(update={"max_tokens": room})
         with self._side:
+            if cancel is not None and cancel.is_set():
+                raise GenerationError("side generation cancelled")
             with self._locked():
                 self._check_open()
                 self._spare_busy = True
@@ -451,6 +455,8 @@ class Engine(PooledLeases, Closeable):
                     for _ in generation:
                         if deadline is not None and time.monotonic() > deadline:
                             raise TimeoutError("side generation not done before its deadline")
+                        if cancel is not None and cancel.is_set():
+                            raise GenerationError("side generation cancelled")
                 finally:
                     generation.close()
                 return generation.text

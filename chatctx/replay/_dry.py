@@ -260,6 +260,7 @@ class DryBackend(PooledLeases, Closeable):
         settings: GenerationSettings,
         background: bool = False,
         deadline: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> str:
         raise ConfigError("a dry run loads no model: it cannot generate (no side sequence)")
 

@@ -293,7 +293,7 @@ def test_compaction_drops_minor_facts_before_recognized_ones(llama3_codec: Tikto
 EVERYDAY_WORDS_ONLY = [
     "i wonder when he went to bed",
     "i usually forget to eat until late",
-    "now its ten and i just realized",
+    "i always get up early on weekends",
 ]
 
 
@@ -321,3 +321,12 @@ def test_a_minor_fact_is_worth_more_the_rarer_its_words() -> None:
     assert all(f is not None and f.kinds == ("minor",) for f in found)
     scores = [f.score for f in found if f is not None]
     assert scores[0] < scores[1] < scores[2] < THRESHOLD
+
+
+def test_a_minor_fact_keeps_all_its_words() -> None:
+    # What a later question asks for ("the green bench") may be ordinary words next to a
+    # specific one ("taped"): a minor fact is kept whole, not cut around its rare words.
+    said = "note for later, the extra car key is taped under the green bench"
+    found = statement(said)
+    assert found is not None and found.kinds == ("minor",)
+    assert found.text == said
