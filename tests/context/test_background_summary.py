@@ -122,3 +122,41 @@ def test_llm_summaries_of_a_session_run_in_the_background(
             assert session.store.context_state(session.conversation_id).pending_ids == ()
         spare = engine.spare_seq
         assert spare is not None and engine.kv_cells(spare) == 0
+
+
+def test_closing_a_session_stops_its_background_summary(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    # A summary still being written when the session closes would keep the engine's spare
+    # sequence busy for nobody: the next conversation could not clear it (replaying many
+    # logged chats with --summarizer llm stopped at the second one).
+    with Engine.load(tiny_llama3_path, n_ctx=1024, n_seq_max=2) as engine:
+        spare = engine.spare_seq
+        assert spare is not None
+        with ChatSession.open(
+            db_url,
+            model=engine,
+            settings={"max_tokens": 2, "temperature": 0.0},
+            context={
+                "budget": 200,
+                "reserve": 8,
+                "summarizer": "llm",
+                "summary_max_tokens": 400,  # a summary of seconds on the tiny model
+            },
+        ) as session:
+            summarizer = session.builder().summarizer
+            assert isinstance(summarizer, BackgroundSummarizer)
+            for turn in range(14):
+                session.send(f"turn {turn}: " + "words " * 15)
+                if summarizer.running():
+                    break
+            assert summarizer.running(), "no background summary started"
+            for _ in range(2000):  # until llama.cpp holds the summary's prompt
+                if engine.kv_cells(spare) > 0 or not summarizer.running():
+                    break
+                threading.Event().wait(0.005)
+        # Closed: the summary was stopped and its sequence emptied, read from llama.cpp.
+        assert not summarizer.running()
+        assert engine.kv_cells(spare) == 0
+        engine.clear()  # refused while a generation holds a sequence
+        assert all(cells == 0 for cells in engine.kv_usage().values())
