@@ -343,7 +343,8 @@ _DROPPED_SUBJECT = re.compile(
     r"living|working|married|engaged|going|heading|flying|leaving|studying|been|got|getting|"
     r"gotta|have|had|need|love|loving|hate|started|finished|bought|turning|visiting|booked|"
     r"took|take|taking|play|playing|played|drive|driving|work|live|left|lost|found|planning|"
-    r"hoping|trying|thinking|training|saving|learning|teaching|adopted|adopting)\b"
+    r"hoping|trying|thinking|training|saving|learning|teaching|adopted|adopting|"
+    r"(?:can't|cant|cannot|don't|dont|didn't|didnt|won't|wont|never)\s+[a-z]{3,})\b"
 )
 _LEANS_BACK = re.compile(
     r"(?:she|he|they|it|that|this|thats|that's|she's|he's|they're|it's|shes|hes|its)\b", _I
