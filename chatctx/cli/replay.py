@@ -256,6 +256,12 @@ def _write(
     show_default=True,
     help="Most tokens of recalled messages per turn.",
 )
+@click.option(
+    "--back-to-back",
+    is_flag=True,
+    help="Send each turn at once, without first letting a background (llm) summary finish "
+    "as a person's reading and typing time would.",
+)
 @click.option("--regenerate", is_flag=True, help="Let the model write each assistant turn.")
 @click.option("--dry-run", is_flag=True, help="Load no weights: tokenizer-only plans.")
 @click.option(
@@ -288,6 +294,7 @@ def replay(
     from_db: bool,
     recall: bool,
     recall_budget: int,
+    back_to_back: bool,
     regenerate: bool,
     dry_run: bool,
     max_tokens: int,
@@ -318,6 +325,7 @@ def replay(
         max_tokens=max_tokens,
         recall=recall,
         recall_budget=recall_budget,
+        back_to_back=back_to_back,
     )
     input_errors: list[ImportFormatError] = []
     source = (

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from chatctx._resource import Closeable
 from chatctx.config import ContextSettings, GenerationSettings, _Model
-from chatctx.context import ContextPlan, summary_limit
+from chatctx.context import BackgroundSummarizer, ContextPlan, summary_limit
 from chatctx.engine import Engine, resolve_model_path
 from chatctx.engine._codec import PromptCodec, open_codec
 from chatctx.errors import ChatctxError, ConfigError, ModelError
@@ -44,6 +44,9 @@ class ReplayConfig(_Model):
     low: float = Field(0.6, gt=0, le=1, description="Low watermark (share of budget).")
     eviction: Literal["shift", "recompute"] = Field("shift", description="KV eviction policy.")
     summarizer: Literal["extractive", "llm", "none"] = Field("extractive", description="Summary.")
+    summary_max_tokens: int | None = Field(
+        None, ge=16, description="Longest summary; None = the context settings' default."
+    )
     max_turns: int | None = Field(None, ge=1, description="Replay at most this many user turns.")
     system: str | None = Field(None, description="System prompt replacing the logged one.")
     max_tokens: int = Field(128, ge=1, description="Longest regenerated reply.")
@@ -52,6 +55,12 @@ class ReplayConfig(_Model):
     recall_k: int = Field(5, ge=1, le=50, description="Most messages recalled per turn.")
     recall_trigger: Literal["question", "always"] = Field(
         "question", description="Recall for questions only, or for every message."
+    )
+    back_to_back: bool = Field(
+        False,
+        description="Send each turn as soon as the last is done. By default a summary being "
+        "written in the background (summarizer 'llm') is finished first, as the time a person "
+        "takes to read and type would let it; back to back it may never finish.",
     )
 
     def context(self) -> ContextSettings:
@@ -63,6 +72,11 @@ class ReplayConfig(_Model):
             low=self.low,
             eviction=self.eviction,
             summarizer=self.summarizer,
+            **(
+                {}
+                if self.summary_max_tokens is None
+                else {"summary_max_tokens": self.summary_max_tokens}
+            ),
             recall=self.recall,
             recall_budget=self.recall_budget,
             recall_k=self.recall_k,
@@ -275,6 +289,8 @@ class Replayer(Closeable):
             ) as chat,
         ):
             for index, (user, logged) in enumerate(turns):
+                if not self.config.back_to_back:
+                    _let_summary_finish(chat)
                 if regenerate:
                     reply = chat.send(user)
                 else:
@@ -291,6 +307,13 @@ class Replayer(Closeable):
                 report.turns.append(turn)
                 if on_turn is not None:
                     on_turn(turn)
+
+
+def _let_summary_finish(chat: ChatSession) -> None:
+    """Wait for a summary the session writes in the background (bounded by its deadline)."""
+    summarizer = chat.builder().summarizer
+    if isinstance(summarizer, BackgroundSummarizer) and summarizer.running():
+        summarizer.wait(summarizer.timeout_s)
 
 
 def _turn_report(cid: str, index: int, plan: ContextPlan, turn: Turn) -> TurnReport:

@@ -12,7 +12,14 @@ from click.testing import CliRunner
 from chatctx import ChatSession, Engine, GenerationSettings
 from chatctx.cli import cli
 from chatctx.errors import ImportFormatError
-from chatctx.replay import ReplayConfig, Replayer, TurnReport, parse_logged, read_logs
+from chatctx.replay import (
+    ReplayConfig,
+    Replayer,
+    TurnReport,
+    parse_logged,
+    read_logs,
+    replay_all,
+)
 from chatctx.store import Store
 from chatctx.synthetic import support_conversation
 from tests.llama_counters import counted, prime_counters
@@ -331,3 +338,31 @@ def test_tune_writes_table_plot_and_recommendation(tmp_path: Path, tiny_llama3_p
     assert "recommended" in result.output or "no setting meets" in result.output
     bad = CliRunner().invoke(cli, ["tune", str(SAMPLE), "--budgets", "x", "--out", str(out)])
     assert bad.exit_code == 1 and "--budgets must be integers" in bad.output
+
+
+def test_llm_summaries_are_written_between_turns_and_across_conversations(
+    tiny_llama3_path: Path,
+) -> None:
+    # A replay sends turns back to back; a person takes long enough to read and type for a
+    # background summary to finish. By default the replay lets it finish, so the turn after
+    # an eviction takes it. And a summary still running when a conversation ends must not
+    # stop the next conversation (it did: "sequence 1 is in use by a running generation").
+    conversations = [
+        parse_logged(json.dumps(support_conversation(12, seed=s)), line=s) for s in (7, 8)
+    ]
+    config = ReplayConfig(mode="teacher", budget=300, summarizer="llm", summary_max_tokens=32)
+    errors: list[str] = []
+    with (
+        Engine.load(tiny_llama3_path, n_ctx=1024, n_seq_max=2, n_threads=1) as engine,
+        Replayer(config, engine=engine) as replayer,
+    ):
+        reports = replay_all(replayer, conversations, errors=errors, on_error="skip")
+        spare = engine.spare_seq
+        assert spare is not None and engine.kv_cells(spare) == 0  # llama.cpp's count
+    assert errors == [] and len(reports) == 2
+    for report in reports:
+        turns = report.turns
+        evicting = [i for i, t in enumerate(turns[:-1]) if t.evicted]
+        assert evicting, "no turn evicted"
+        # The turn after each eviction took the summary of what was evicted.
+        assert all(turns[i + 1].summarized > 0 for i in evicting)
