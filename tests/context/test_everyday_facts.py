@@ -330,3 +330,9 @@ def test_a_minor_fact_keeps_all_its_words() -> None:
     found = statement(said)
     assert found is not None and found.kinds == ("minor",)
     assert found.text == said
+
+
+def test_a_sentence_without_its_subject_after_a_negation_is_the_speakers() -> None:
+    # Chat drops the "I" after a negation as after other verbs; ordinary words, no name.
+    found = statement("can't stand blue cheese, never could")
+    assert found is not None and "blue cheese" in found.text
