@@ -207,7 +207,7 @@ class ChatSession(Closeable):
         background, self._background = self._background, None
         if background is None or not background.running():
             return
-        self._cancel_summary.set()
+        self.engine.cancel_side(self._cancel_summary)
         if not background.wait(timeout=background.timeout_s):
             logger.warning("the background summary did not stop")
         self._cancel_summary = threading.Event()

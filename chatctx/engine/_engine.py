@@ -135,6 +135,8 @@ class Engine(PooledLeases, Closeable):
         self._lock = threading.RLock()
         self._side = threading.Lock()  # one side generation (on the spare sequence) at a time
         self._spare_busy = False
+        # The running side generation and the event that cancels it (see cancel_side).
+        self._side_running: tuple[threading.Event | None, Generation] | None = None
         self._closed = False
         self._n_ctx = pad256(config.n_ctx)
         self.slots = min(config.slots, config.n_seq_max)
@@ -427,8 +429,8 @@ class Engine(PooledLeases, Closeable):
         One side generation runs at a time; the spare sequence is emptied afterwards. In the
         background it joins the scheduler's steps only while no customer's prompt is being
         evaluated, in small chunks. ``deadline`` (``time.monotonic()``) raises
-        ``TimeoutError`` once passed; ``cancel``, once set, stops it at the next step with
-        ``GenerationError``.
+        ``TimeoutError`` once passed; ``cancel_side(cancel)`` stops it at the next step, in
+        its prefill too, with ``GenerationError``.
         """
         spare = self.spare_seq
         if spare is None:
@@ -442,8 +444,6 @@ class Engine(PooledLeases, Closeable):
         if settings.max_tokens > room:
             settings = settings.model_copy(update={"max_tokens": room})
         with self._side:
-            if cancel is not None and cancel.is_set():
-                raise GenerationError("side generation cancelled")
             with self._locked():
                 self._check_open()
                 self._spare_busy = True
@@ -451,13 +451,18 @@ class Engine(PooledLeases, Closeable):
                 generation = self._generation(
                     prompt, spare, settings, "recompute", None, background
                 )
+                # Registered before the check: a cancel_side either sees it or was seen.
+                self._side_running = (cancel, generation)
                 try:
+                    if cancel is not None and cancel.is_set():
+                        raise GenerationError("side generation cancelled")
                     for _ in generation:
                         if deadline is not None and time.monotonic() > deadline:
                             raise TimeoutError("side generation not done before its deadline")
-                        if cancel is not None and cancel.is_set():
-                            raise GenerationError("side generation cancelled")
+                    if cancel is not None and cancel.is_set():
+                        raise GenerationError("side generation cancelled")
                 finally:
+                    self._side_running = None
                     generation.close()
                 return generation.text
             finally:
@@ -466,6 +471,14 @@ class Engine(PooledLeases, Closeable):
                     if not self._closed:
                         self.context.seq_rm(spare, 0, -1)
                         self._mirror[spare].clear()
+
+    def cancel_side(self, cancel: threading.Event) -> None:
+        """Set ``cancel`` and stop the side generation started with it, if one runs (in its
+        prefill too); the caller of ``side_generate`` gets ``GenerationError``."""
+        cancel.set()
+        running = self._side_running
+        if running is not None and running[0] is cancel:
+            self._scheduler.cancel(running[1]._job, wait=False)
 
     def generate(
         self,

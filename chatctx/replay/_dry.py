@@ -264,6 +264,9 @@ class DryBackend(PooledLeases, Closeable):
     ) -> str:
         raise ConfigError("a dry run loads no model: it cannot generate (no side sequence)")
 
+    def cancel_side(self, cancel: threading.Event) -> None:
+        cancel.set()  # nothing runs on a side sequence here
+
     # lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
