@@ -413,8 +413,11 @@ def _load_vocabulary() -> tuple[int, dict[str, int]]:
 
 
 _CHATS, _USED_IN = _load_vocabulary()
-_COMMON = frozenset(_USED_IN)
-_LOG_CHATS = math.log(_CHATS)
+# A word's rarity, for every listed word; one outside the list has rarity 1.
+_RARITY = {
+    word: max(0.0, math.log(_CHATS / (used + 1)) / math.log(_CHATS))
+    for word, used in _USED_IN.items()
+}
 # Someone or something other than the speaker that a sentence can be about.
 _SOMEONE_ELSE = re.compile(
     r"\b(?:you|u|ur|your|yours|youre|he|him|his|hes|she|hers|shes|they|them|their|theirs|"
@@ -460,7 +463,7 @@ def specific_words(said: str) -> int:
     (``chatctx/data/common_words.txt``) and not fillers, e.g. "propranolol", "Poughkeepsie",
     "bouldering", but not "class", "pizza" or "tired"."""
     words = {word.casefold() for word in _ALPHA.findall(said)}
-    return sum(1 for w in words if len(w) > 2 and w not in _EMPTY_WORDS and w not in _COMMON)
+    return sum(1 for w in words if len(w) > 2 and w not in _EMPTY_WORDS and w not in _RARITY)
 
 
 def rarity(word: str) -> float:
@@ -468,7 +471,7 @@ def rarity(word: str) -> float:
     of the counted ones): the share of the chats' log-count it takes to find it,
     ``log(N / (chats with it + 1)) / log(N)``. "went" 0.27, "summer" 0.31, "therapy" 0.65,
     "propranolol" 1."""
-    return max(0.0, math.log(_CHATS / (_USED_IN.get(word, 0) + 1)) / _LOG_CHATS)
+    return _RARITY.get(word, 1.0)
 
 
 def information(low: str) -> float:
