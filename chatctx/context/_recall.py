@@ -99,6 +99,16 @@ def _matches(word: str, terms: set[str], prefixes: set[str]) -> bool:
     return word in terms or any(word.startswith(p) for p in prefixes)
 
 
+def sentences(text: str) -> list[tuple[int, str]]:
+    """``text`` cut into sentences and lines, whitespace collapsed: (order, sentence)."""
+    out: list[tuple[int, str]] = []
+    for order, sentence in enumerate(_SENTENCE.split(text)):
+        sentence = " ".join(sentence.split())
+        if sentence:
+            out.append((order, sentence))
+    return out
+
+
 def snippet(text: str, query: str) -> list[tuple[int, str]]:
     """The sentences of ``text`` that share a word with ``query``, best first.
 
@@ -107,8 +117,7 @@ def snippet(text: str, query: str) -> list[tuple[int, str]]:
     terms = set(query_terms(query))
     prefixes = {p for p in (stem_prefix(t) for t in terms) if p is not None}
     scored: list[tuple[int, int, str]] = []
-    for order, sentence in enumerate(_SENTENCE.split(text)):
-        sentence = " ".join(sentence.split())
+    for order, sentence in sentences(text):
         words = {w for w in _WORD.findall(sentence.casefold())}
         shared = sum(_matches(w, terms, prefixes) for w in words)
         if shared:
@@ -125,13 +134,18 @@ def render_section(items: Sequence[tuple[Message, str]]) -> str:
 
 
 def fit_recall(
-    hits: Sequence[Hit], query: str, room: int, cost: Callable[[str], int]
+    hits: Sequence[Hit],
+    query: str,
+    room: int,
+    cost: Callable[[str], int],
+    pick: Callable[[str, str], list[tuple[int, str]]] = snippet,
 ) -> list[tuple[Message, str, float]]:
     """Choose what to recall within ``room`` tokens: (message, text sent, score), best first.
 
     ``cost`` gives the tokens the whole section would take. Each hit is tried as the whole
-    exchange (the user message and its reply), then the matched message alone, then its
-    matching sentences; a hit that does not fit at all is skipped for the next one.
+    exchange (the user message and its reply), then the matched message alone, then the
+    sentences ``pick`` ranks (by default those sharing the query's words); a hit that does not
+    fit at all is skipped for the next one.
     """
     chosen: list[tuple[Message, str, float]] = []
 
@@ -151,7 +165,7 @@ def fit_recall(
                 break
         else:
             kept: list[tuple[int, str]] = []
-            for sentence in snippet(message.content, query):
+            for sentence in pick(message.content, query):
                 trial = sorted([*kept, sentence])
                 if fits([(message, SNIPPET_GAP.join(t for _, t in trial))]):
                     kept = trial

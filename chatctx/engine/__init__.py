@@ -1,6 +1,12 @@
 """llama.cpp engine: model loading, chat templates, KV sequences, generation."""
 
 from chatctx.engine._backend import Backend, Stream
+from chatctx.engine._embedder import (
+    Embedder,
+    default_embedder_path,
+    embedder_available,
+    shared_embedder,
+)
 from chatctx.engine._engine import Engine, Generation
 from chatctx.engine._gguf import model_facts, read_metadata
 from chatctx.engine._kv import KVReport, ReusePlan, common_prefix, plan_reuse
@@ -13,6 +19,7 @@ __all__ = [
     "BUILTIN_FORMATS",
     "Backend",
     "ChatTemplate",
+    "Embedder",
     "Engine",
     "Generation",
     "GenerationResult",
@@ -24,9 +31,12 @@ __all__ = [
     "Timings",
     "Usage",
     "common_prefix",
+    "default_embedder_path",
     "default_model_path",
+    "embedder_available",
     "model_facts",
     "plan_reuse",
     "read_metadata",
     "resolve_model_path",
+    "shared_embedder",
 ]

@@ -56,6 +56,12 @@ class ReplayConfig(_Model):
     recall_trigger: Literal["question", "always"] = Field(
         "question", description="Recall for questions only, or for every message."
     )
+    recall_search: Literal["auto", "meaning", "words"] = Field(
+        "auto", description="Recall by meaning (embeddings), by words (BM25), or auto."
+    )
+    recall_min_similarity: float = Field(
+        0.2, ge=-1, le=1, description="Least cosine similarity recalled by meaning."
+    )
     back_to_back: bool = Field(
         False,
         description="Send each turn as soon as the last is done. By default a summary being "
@@ -81,6 +87,8 @@ class ReplayConfig(_Model):
             recall_budget=self.recall_budget,
             recall_k=self.recall_k,
             recall_trigger=self.recall_trigger,
+            recall_search=self.recall_search,
+            recall_min_similarity=self.recall_min_similarity,
         )
 
     @property

