@@ -209,8 +209,14 @@ def main() -> None:
     print(f"model (tokenizer and template only): {model.name}; recall available: {HAS_RECALL}")
     if HAS_RECALL:
         defaults = ReplayConfig()
+        search = getattr(defaults, "recall_search", "words")
+        if search == "auto":
+            from chatctx.engine import embedder_available
+
+            search = f"auto: {'meaning' if embedder_available() else 'words'}"
         print(
-            f"recall settings: recall_budget {defaults.recall_budget}, recall_k {defaults.recall_k}"
+            f"recall settings: recall_budget {defaults.recall_budget}, recall_k "
+            f"{defaults.recall_k}, recall_search {search}"
         )
     conversations, split = load(args.probes)
     if args.only in (None, "everyday"):

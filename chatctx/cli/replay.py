@@ -247,7 +247,14 @@ def _write(
     "--recall/--no-recall",
     default=True,
     show_default=True,
-    help="Recall evicted messages that match the new one (full-text search).",
+    help="Recall evicted messages that match the new one.",
+)
+@click.option(
+    "--recall-search",
+    type=click.Choice(["auto", "meaning", "words"]),
+    default="auto",
+    show_default=True,
+    help="Rank by meaning (sentence embeddings), by words (BM25), or meaning when installed.",
 )
 @click.option(
     "--recall-budget",
@@ -293,6 +300,7 @@ def replay(
     on_error: str,
     from_db: bool,
     recall: bool,
+    recall_search: str,
     recall_budget: int,
     back_to_back: bool,
     regenerate: bool,
@@ -324,6 +332,7 @@ def replay(
         system=system,
         max_tokens=max_tokens,
         recall=recall,
+        recall_search=recall_search,
         recall_budget=recall_budget,
         back_to_back=back_to_back,
     )
