@@ -8,7 +8,6 @@ stability; llama.cpp-free prompts rendered apart.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,8 @@ from chatctx.context import RECALL_HEADER, ContextBuilder, ContextState, Meaning
 from chatctx.engine import Embedder, shared_embedder
 from chatctx.engine._codec import TiktokenCodec
 from chatctx.store import Message, Store
+
+from .test_recall import assert_prefix_stable
 
 SYSTEM = "You are a friendly assistant."
 CHAT = [
@@ -160,18 +161,7 @@ def test_recall_by_meaning_never_changes_tokens_before_its_section(
             "c", [{"role": "user", "content": user}, {"role": "assistant", "content": a}]
         )
     assert sum(bool(b.plan.recalled_ids) for b in builds) >= 3
-    for before, after in itertools.pairwise(builds):
-        p = after.plan
-        assert p.prompt_tokens <= 300
-        end = p.sections["system"] + p.sections["summary"] + p.sections["history"]
-        plain = [m for m in after.messages if not m["content"].startswith(RECALL_HEADER)]
-        assert after.tokens[:end] == llama3_codec.prompt_tokens(plain)[:end]
-        if not p.evicted:
-            b = before.plan
-            prev_end = b.sections["system"] + b.sections["summary"] + b.sections["history"]
-            assert after.tokens[:prev_end] == before.tokens[:prev_end]
-        positions = {m.id: m.position for m in store.messages("c")}
-        assert all(positions[i] < p.window_start for i in p.recalled_ids)
+    assert_prefix_stable(llama3_codec, store, builds, budget=300)
 
 
 def test_a_session_recalls_by_meaning_by_default_and_by_words_when_asked(

@@ -197,13 +197,20 @@ def test_recall_never_changes_tokens_before_its_section(
     builds = list(simulate(llama3_codec, store, 60, budget=400))
     recalled = [b for b in builds if b.plan.recalled_ids]
     assert len(recalled) >= 5 and any(b.plan.evicted for b in builds)
+    assert_prefix_stable(llama3_codec, store, builds, budget=400)
+
+
+def assert_prefix_stable(
+    codec: TiktokenCodec, store: Store, builds: Sequence[BuildResult], *, budget: int
+) -> None:
+    """Each build against two oracles: nothing before its recall section changes."""
     for before, after in itertools.pairwise(builds):
         p = after.plan
-        assert p.prompt_tokens <= 400
+        assert p.prompt_tokens <= budget
         history_end = p.sections["system"] + p.sections["summary"] + p.sections["history"]
         # Oracle 1: this prompt without its recall section, rendered apart.
         plain = [m for m in after.messages if not m["content"].startswith(RECALL_HEADER)]
-        assert after.tokens[:history_end] == render(llama3_codec, plain)[:history_end]
+        assert after.tokens[:history_end] == render(codec, plain)[:history_end]
         if not p.evicted:
             # Oracle 2: the previous build's tokens. Up to where its recall section began,
             # the prompt is unchanged: the cached prefix survives a recall.
