@@ -6,24 +6,36 @@ embeds the new message and the conversation's earlier messages with a sentence e
 (``chatctx.engine.Embedder``) and ranks the earlier ones by cosine similarity. A chat message
 often says several things ("step one would be to listen. the jeep needs new tires before the
 trip"), so each sentence is embedded too and a message scores as its closest part. A message
-below ``min_similarity`` is not a match. It is a ``RecallSearch``: the builder uses it exactly
-as it uses the store's full-text search, and ``snippet`` picks the sentences worth sending when
-a whole message does not fit.
+below ``min_similarity`` is not a match.
+
+Two priors then order the matches. A question states nothing, so a sentence that asks scores
+``question_discount`` lower: "what do you do for fun?" is close to "what do I do for fun
+again?" but no answer to it. And what the user asks back is mostly what the user said, so the
+other side's messages score ``reply_discount`` lower (a much closer reply still wins).
+
+It is a ``RecallSearch``: the builder uses it exactly as it uses the store's full-text search,
+and ``snippet`` picks the sentences worth sending when a whole message does not fit.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from chatctx.config import ContextSettings
 from chatctx.context._recall import sentences
 from chatctx.store import Message
 
-# Cosine similarity below which an earlier message is not taken as an answer. Chosen on the
-# development probe sets (bench/README.md, "Recall by meaning").
-MIN_SIMILARITY = 0.2
+# Cosine similarity below which an earlier message is not taken as an answer (the setting's
+# default). Chosen on the development probe sets (bench/README.md, "Recall by meaning").
+MIN_SIMILARITY: float = ContextSettings.model_fields["recall_min_similarity"].default
+# The priors, in cosine: small beside the spread between a match and chat (0.15 to 0.6).
+QUESTION_DISCOUNT = 0.1
+REPLY_DISCOUNT = 0.05
+_ASKS = re.compile(r"\?\W*$")
 
 Embed = Callable[[Sequence[str]], npt.NDArray[np.float32]]
 
@@ -44,12 +56,16 @@ class MeaningSearch:
         embed: Embed,
         *,
         min_similarity: float = MIN_SIMILARITY,
+        question_discount: float = QUESTION_DISCOUNT,
+        reply_discount: float = REPLY_DISCOUNT,
         prefetch: Callable[[Sequence[str]], None] | None = None,
     ) -> None:
         self._messages = messages
         self._embed = embed
         self._prefetch = prefetch
         self.min_similarity = min_similarity
+        self.question_discount = question_discount
+        self.reply_discount = reply_discount
 
     def warm(self, texts: Sequence[str]) -> None:
         """Have ``texts`` embedded ahead of a search (in the background, with ``prefetch``),
@@ -57,16 +73,21 @@ class MeaningSearch:
         if self._prefetch is not None:
             self._prefetch([part for text in texts for part in _parts(text)])
 
-    def _scores(self, texts: Sequence[str], query: str) -> npt.NDArray[np.float32]:
-        """Each text's similarity to ``query``: the best of the text and its sentences."""
+    def _scores(self, messages: Sequence[Message], query: str) -> npt.NDArray[np.float32]:
+        """Each message's score for ``query``: the best of the message and its sentences,
+        their cosine less the priors' discounts."""
         parts: list[str] = []
         owner: list[int] = []
-        for i, text in enumerate(texts):
-            for part in _parts(text):
+        discount: list[float] = []
+        for i, message in enumerate(messages):
+            other = self.reply_discount if message.role != "user" else 0.0
+            for part in _parts(message.content):
                 parts.append(part)
                 owner.append(i)
+                discount.append(other + (self.question_discount if _ASKS.search(part) else 0.0))
         similarity = self._embed(parts) @ self._embed([query])[0]
-        best = np.full(len(texts), -1.0, dtype=np.float32)
+        similarity -= np.asarray(discount, dtype=np.float32)
+        best = np.full(len(messages), -2.0, dtype=np.float32)
         np.maximum.at(best, np.asarray(owner), similarity)
         return best
 
@@ -77,7 +98,7 @@ class MeaningSearch:
         candidates = [m for m in earlier if m.content.strip()]
         if not candidates:
             return []
-        similarity = self._scores([m.content for m in candidates], query)
+        similarity = self._scores(candidates, query)
         # Best first; ties go to the later message (what was said last is more likely true).
         order = np.lexsort((-np.array([m.position for m in candidates]), -similarity))
         by_position = {m.position: m for m in earlier}

@@ -186,3 +186,40 @@ def test_a_session_recalls_by_meaning_by_default_and_by_words_when_asked(
     assert CHAT[FACT][0] not in recalled["words"]
     # The session embeds each stored message in the background after its turn.
     assert np.isfinite(embedder.embed([CHAT[FACT][0]])).all()
+
+
+def test_an_answer_outranks_a_closer_question_from_the_other_side(
+    store: Store, embedder: Embedder
+) -> None:
+    asked = store.add_messages(
+        "c",
+        [
+            {"role": "user", "content": "I was out all day at the lake."},
+            {"role": "assistant", "content": "what kind of dog do you have?"},
+        ],
+    )
+    answer = store.add_messages(
+        "c",
+        [
+            {"role": "user", "content": "my dog is called Pepper, she is a beagle"},
+            {"role": "assistant", "content": "my neighbour has a dog named Rex"},
+        ],
+    )
+    question = "what was the name of my dog again?"
+    q = embedder.embed([question])[0]
+    cosine = {m.id: float(embedder.embed([m.content])[0] @ q) for m in [*asked, *answer]}
+    # Raw cosine puts the other side's question first; it asks, it does not answer.
+    assert cosine[asked[1].id] > cosine[answer[0].id]
+    found = meaning(store, embedder)(question, answer[-1].position + 1, 4)
+    assert found[0][0].id == answer[0].id
+    # Each score is the cosine less the priors, recomputed by hand.
+    expected = {
+        asked[1].id: cosine[asked[1].id] - 0.1 - 0.05,  # a question, from the other side
+        answer[0].id: cosine[answer[0].id],
+        answer[1].id: cosine[answer[0].id],  # listed as its reply, with its score
+    }
+    got = {m.id: s for m, s in found}
+    for mid, score in expected.items():
+        assert got[mid] == pytest.approx(score, abs=1e-5)
+    unprimed = meaning(store, embedder, question_discount=0.0, reply_discount=0.0)
+    assert unprimed(question, answer[-1].position + 1, 1)[0][0].id == asked[1].id
