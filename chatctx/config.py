@@ -76,14 +76,16 @@ class ContextSettings(_Model):
     )
     recall: bool = Field(
         True,
-        description="Search the evicted history for the new message's words (full-text, BM25) "
-        "and send the best matches right before it, after the cached history.",
+        description="Search the evicted history for what matches the new message (by meaning "
+        "or by words, see recall_search) and send the best matches right before it, after the "
+        "cached history.",
     )
     recall_budget: int = Field(
         160,
         ge=0,
-        description="Most tokens the recalled messages may take (0 = no recall); recall only "
-        "uses room the prompt leaves under the budget and never causes an eviction.",
+        description="Most tokens the recalled messages may take (0 = no recall). A message "
+        "that asks back is owed this room: when the prompt leaves less, the watermark eviction "
+        "is made on this turn instead of a few turns later (policy watermarks).",
     )
     recall_k: int = Field(5, ge=1, le=50, description="Most evicted messages one turn may recall.")
     recall_trigger: Literal["question", "always"] = Field(
@@ -98,7 +100,7 @@ class ContextSettings(_Model):
         "meaning when an embedder is installed, else words.",
     )
     recall_min_similarity: float = Field(
-        0.2,
+        0.15,
         ge=-1,
         le=1,
         description="With recall by meaning: the least cosine similarity that counts as a match.",

@@ -274,10 +274,24 @@ class ContextBuilder:
             total = self.count_messages(assemble(summary, turns, new))
             plan.prompt_tokens = total
         evicted: list[Message] = []
-        if total > high_limit:
+        # A turn that asks back is owed its recall room: when the prompt leaves less than
+        # recall_budget under the budget, the eviction the watermarks would make a few turns
+        # later is made now, so the answer does not have to squeeze into what is left.
+        recall_room = (
+            not trim
+            and total <= high_limit
+            and budget - total < s.recall_budget
+            and state.window_start > 0
+            and bool(turns)
+            and self._recalls(new_message)
+        )
+        if total > high_limit or recall_room:
             plan.evicted = True
             plan.reason = (
-                f"prompt {total} tokens > high watermark {high_limit} "
+                f"prompt {total} tokens leaves {budget - total} < recall_budget "
+                f"{s.recall_budget} for a message that asks back"
+                if recall_room
+                else f"prompt {total} tokens > high watermark {high_limit} "
                 f"({s.high:.0%} of budget {budget})"
                 if not trim
                 else f"prompt {total} tokens > budget {budget}"
@@ -388,18 +402,23 @@ class ContextBuilder:
     def _summarizing(self) -> bool:
         return self.summarizer is not None and self.settings.summarizer != "none"
 
+    def _recalls(self, message: str) -> bool:
+        """Whether this message gets a recall search (settings and trigger)."""
+        s = self.settings
+        if self.recall is None or not s.recall or s.recall_budget <= 0:
+            return False
+        return s.recall_trigger == "always" or asks_back(message)
+
     def _recall(
         self, plan: ContextPlan, query: str, window_start: int, pinned_ids: set[int], *, room: int
     ) -> list[tuple[Message, str, float]]:
         """What to recall for this prompt: (message, text sent, score), best first."""
-        s = self.settings
-        if self.recall is None or not s.recall or s.recall_budget <= 0 or window_start <= 0:
-            return []
-        if s.recall_trigger == "question" and not asks_back(query):
+        s, search = self.settings, self.recall
+        if search is None or window_start <= 0 or not self._recalls(query):
             return []
         t0 = self._clock()
         try:
-            found = self.recall(query, window_start, s.recall_k + len(pinned_ids))
+            found = search(query, window_start, s.recall_k + len(pinned_ids))
         except Exception as exc:  # recall is optional: a failing search never fails a turn
             plan.recall_error = f"{type(exc).__name__}: {exc}"
             logger.warning("recall search failed, nothing recalled: %s", plan.recall_error)

@@ -51,21 +51,31 @@ _CUES = frozenset(
 )
 
 
-# A question without its question mark ("where did I park") starts with one of these.
+# A question without its question mark ("where did I park") starts with one of these, the
+# way people type them too ("whats", "wheres"), after a filler or two ("ok so where did I").
 _ASKING = frozenset(
     """
     what where when who whom whose which how why did do does is are was were can could would
-    will have has
+    will have has whats wheres whens whos hows whys wat wut
+    """.split()  # noqa: SIM905
+)
+_FILLERS = frozenset(
+    """
+    ok okay k so and but also oh hey hi yo wait um umm uh hmm hm lol haha btw quick question
+    random real actually anyway anyways well yeah ya sorry
     """.split()  # noqa: SIM905
 )
 
 
 def asks_back(text: str) -> bool:
     """Whether a message may be asking about something said earlier: a question (with or
-    without its question mark), or a cue such as "remind me" or "you told me". Other messages
-    are not worth the recall tokens."""
+    without its question mark, after fillers such as "ok so"), or a cue such as "remind me"
+    or "you told me". Other messages are not worth the recall tokens."""
     words = _WORD.findall(text.casefold())
-    return "?" in text or bool(words and words[0] in _ASKING) or any(w in _CUES for w in words)
+    if "?" in text or any(w in _CUES for w in words):
+        return True
+    first = next((w for w in words[:4] if w not in _FILLERS), None)
+    return first in _ASKING
 
 
 def _normalized(text: str) -> list[str]:
@@ -142,33 +152,35 @@ def fit_recall(
 ) -> list[tuple[Message, str, float]]:
     """Choose what to recall within ``room`` tokens: (message, text sent, score), best first.
 
-    ``cost`` gives the tokens the whole section would take. Each hit is tried as the whole
-    exchange (the user message and its reply), then the matched message alone, then the
-    sentences ``pick`` ranks (by default those sharing the query's words); a hit that does not
-    fit at all is skipped for the next one.
+    ``cost`` gives the tokens the whole section would take. Room goes where an answer is most
+    likely, in three rounds: first each match's closest sentence, best match first (the one
+    ``pick`` ranks first among those that fit, by default sharing the most of the query's
+    words; a message of one sentence, or with none picked, goes whole); then, in the room
+    left, whole messages in place of their sentence; then the replies. A long message that
+    matched costs no more than the sentence that matched, so the next match still fits.
     """
-    chosen: list[tuple[Message, str, float]] = []
+    sent: dict[int, tuple[Message, str, float]] = {}  # by hit, in the order chosen
 
-    def fits(extra: Sequence[tuple[Message, str]]) -> bool:
-        items = [(m, t) for m, t, _ in chosen] + list(extra)
+    def fits(index: int, message: Message, text: str) -> bool:
+        items = [(m, t) for i, (m, t, _) in sent.items() if i != index] + [(message, text)]
         return cost(render_section(items)) <= room
 
-    for hit in hits:
+    for index, hit in enumerate(hits):
         message = hit.message
-        options: list[list[tuple[Message, str]]] = []
-        if hit.reply is not None and hit.reply.content.strip():
-            options.append([(message, message.content), (hit.reply, hit.reply.content)])
-        options.append([(message, message.content)])
-        for option in options:
-            if fits(option):
-                chosen += [(m, t, hit.score) for m, t in option]
+        parts = sentences(message.content)
+        picked = [t for _, t in pick(message.content, query)] if len(parts) > 1 else []
+        for text in [*picked, message.content] if picked else [message.content]:
+            if fits(index, message, text):
+                sent[index] = (message, text, hit.score)
                 break
-        else:
-            kept: list[tuple[int, str]] = []
-            for sentence in pick(message.content, query):
-                trial = sorted([*kept, sentence])
-                if fits([(message, SNIPPET_GAP.join(t for _, t in trial))]):
-                    kept = trial
-            if kept:
-                chosen.append((message, SNIPPET_GAP.join(t for _, t in kept), hit.score))
+    for index, (message, text, score) in list(sent.items()):
+        if text != message.content and fits(index, message, message.content):
+            sent[index] = (message, message.content, score)
+    chosen = list(sent.values())
+    for index, hit in enumerate(hits):
+        reply = hit.reply
+        if index in sent and sent[index][1] == hit.message.content and reply is not None:
+            items = [(m, t) for m, t, _ in chosen] + [(reply, reply.content)]
+            if reply.content.strip() and cost(render_section(items)) <= room:
+                chosen.append((reply, reply.content, hit.score))
     return chosen

@@ -60,7 +60,10 @@ class ReplayConfig(_Model):
         "auto", description="Recall by meaning (embeddings), by words (BM25), or auto."
     )
     recall_min_similarity: float = Field(
-        0.2, ge=-1, le=1, description="Least cosine similarity recalled by meaning."
+        ContextSettings.model_fields["recall_min_similarity"].default,
+        ge=-1,
+        le=1,
+        description="Least cosine similarity recalled by meaning.",
     )
     back_to_back: bool = Field(
         False,

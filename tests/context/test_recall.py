@@ -14,6 +14,7 @@ import pytest
 
 from chatctx.config import ContextSettings
 from chatctx.context import RECALL_HEADER, BuildResult, ContextBuilder, ContextState
+from chatctx.context._recall import Hit, asks_back, fit_recall, render_section
 from chatctx.engine._codec import TiktokenCodec
 from chatctx.store import Message, Store
 
@@ -62,7 +63,7 @@ def test_best_matching_evicted_message_is_recalled_first(
     add_turn(store, FILLER[0], "That sounds nice.")
     fact = add_turn(store, "Oh and I'm allergic to shellfish, by the way.", "Noted, no shellfish.")
     add_turn(store, FILLER[1], "Volcanoes are amazing.")
-    add_turn(store, "My sister is allergic to cats, poor thing.", "That must be hard.")
+    sister = add_turn(store, "My sister is allergic to cats, poor thing.", "That must be hard.")
     kept = add_turn(store, FILLER[2], "Sounds tiring.")
     state = ContextState(window_start=kept[0].position)  # everything before was evicted
     built = builder(llama3_codec, store).build(
@@ -74,9 +75,10 @@ def test_best_matching_evicted_message_is_recalled_first(
     )
     plan = built.plan
     # Hand-computed: the shellfish message shares "shellfish" and "allergic"; the sister's
-    # shares only "allergic". The reply after the best match comes with it.
-    assert plan.recalled_ids[:2] == [fact[0].id, fact[1].id]
-    assert plan.recall_scores[0] > plan.recall_scores[-1] > 0
+    # shares only "allergic". The matches come first, best first; then, in the room left,
+    # their replies, in the same order.
+    assert plan.recalled_ids == [fact[0].id, sister[0].id, fact[1].id, sister[1].id]
+    assert plan.recall_scores[0] > plan.recall_scores[1] > 0
     assert not set(plan.recalled_ids) & set(plan.kept_ids)
     section = built.messages[-2]
     assert section["role"] == "system" and section["content"].startswith(RECALL_HEADER)
@@ -219,3 +221,97 @@ def assert_prefix_stable(
             assert after.tokens[:prev_end] == before.tokens[:prev_end]
         positions = {m.id: m.position for m in store.messages("c")}
         assert all(positions[i] < p.window_start for i in p.recalled_ids)
+
+
+def _words(text: str) -> int:  # a cost that can be counted by hand
+    return len(text.split())
+
+
+def test_a_long_match_sends_its_closest_sentence_so_the_next_match_fits() -> None:
+    long = Message(
+        id=1,
+        conversation_id="c",
+        position=0,
+        role="user",
+        content="We drove all day and the kids slept most of the way. "
+        "The dog is called Pepper. We stopped twice for gas and snacks.",
+    )
+    reply = Message(id=2, conversation_id="c", position=1, role="assistant", content="Fun trip!")
+    short = Message(id=3, conversation_id="c", position=4, role="user", content="Pepper, beagle")
+    hits = [Hit(long, reply, 0.6), Hit(short, None, 0.5)]
+
+    def pick(text: str, query: str) -> list[tuple[int, str]]:  # the dog sentence ranks first
+        return [(1, "The dog is called Pepper.")]
+
+    # By hand: the header is 5 words, each line adds "- user:" (2 words). The long message
+    # whole (24 words) and the short one (2) need 5 + 26 + 4 = 35; with its sentence (5)
+    # instead, 5 + 7 + 4 = 16; the reply ("- assistant: Fun trip!") adds 4. Whole with its
+    # reply, the long one alone takes the 35, as the reply-first order did.
+    assert _words(render_section([(long, long.content), (short, short.content)])) == 35
+    chosen = fit_recall(hits, "what is my dog called?", 21, _words, pick)
+    assert [(m.id, t) for m, t, _ in chosen] == [
+        (1, "The dog is called Pepper."),
+        (3, "Pepper, beagle"),
+    ]
+    # Room for the whole long message too: it replaces its sentence; the reply only after.
+    chosen = fit_recall(hits, "what is my dog called?", 35, _words, pick)
+    assert [(m.id, t) for m, t, _ in chosen] == [(1, long.content), (3, short.content)]
+    chosen = fit_recall(hits, "what is my dog called?", 39, _words, pick)
+    assert [m.id for m, _, _ in chosen] == [1, 3, 2]
+
+
+@pytest.mark.parametrize(
+    ("text", "asks"),
+    [
+        ("where did I park?", True),
+        ("ok so where did i park", True),  # fillers before the question word
+        ("wait what was the name of my dog", True),
+        ("whats my locker combo", True),  # typed without the apostrophe
+        ("i forget what i take for my back", True),  # a cue
+        ("you told me about a place once", True),
+        ("lol anyway the movie was good", False),
+        ("I did it in the end", False),  # an auxiliary, but not where a question starts
+        ("so tired today, long shift", False),
+    ],
+)
+def test_asks_back(text: str, asks: bool) -> None:
+    assert asks_back(text) is asks
+
+
+def test_a_question_gets_its_recall_room_from_the_oldest_kept_turns(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    fact = add_turn(store, "Oh and I'm allergic to shellfish, by the way.", "Noted, no shellfish.")
+    kept = [add_turn(store, f, "I see, tell me more.") for f in FILLER]
+    state = ContextState(window_start=kept[0][0].position)
+    history = store.messages("c", from_position=state.window_start)
+    question = "Remind me, what am I allergic to?"
+    statement = "I'm allergic to long meetings, honestly, haha."  # as long, asks nothing
+    b = builder(llama3_codec, store)
+    first = b.build(
+        system_prompt=SYSTEM, history=history, new_message=question, budget=4000, state=state
+    )
+    # A budget the prompt fits with fewer tokens to spare than recall_budget (160).
+    budget = first.plan.prompt_tokens - first.plan.sections["recall"] + 100
+
+    def build(message: str) -> BuildResult:
+        return b.build(
+            system_prompt=SYSTEM, history=history, new_message=message, budget=budget, state=state
+        )
+
+    plain = build(statement)
+    assert not plain.plan.evicted and plain.plan.prompt_tokens <= budget
+    asked = build(question)
+    p = asked.plan
+    assert p.evicted and "recall_budget" in p.reason
+    # Whole turns go, oldest first, down to the low watermark (60% of the budget).
+    gone = [m.id for turn in kept[: len(kept) - len(p.kept_ids) // 2] for m in turn]
+    assert p.evicted_ids == gone and gone
+    assert p.sections["recall"] > 0 and fact[0].id in p.recalled_ids
+    assert p.prompt_tokens <= budget
+    # The kept turns are unchanged, in place: this prompt, recall left out, is the same
+    # history rendered apart.
+    rest = [m for turn in kept for m in turn if m.id not in gone]
+    expected = [{"role": "system", "content": SYSTEM}, *[m.to_openai() for m in rest]]
+    end = p.sections["system"] + p.sections["history"]
+    assert asked.tokens[:end] == render(llama3_codec, expected)[:end]
