@@ -109,6 +109,10 @@ class ChatSession(Closeable):
         self._background: BackgroundSummarizer | None = None  # a summary written off-turn
         self._meaning: MeaningSearch | None = None  # recall by meaning, when it is used
         self._cancel_summary = threading.Event()  # set at close: stop writing it
+        # Clear while a turn is prepared and until its first token: a background summary the
+        # turn starts waits for it, so it never holds the model ahead of the customer.
+        self._turn_under_way = threading.Event()
+        self._turn_under_way.set()
         self._builder_settings: ContextSettings | None = None
         self.last_reply: Reply | None = None
         self.last_build: BuildResult | None = None  # the context sent on the last turn
@@ -278,7 +282,9 @@ class ChatSession(Closeable):
                     # Off the critical path: the evicting turn goes out with the previous
                     # summary (and recall); the new one takes effect once it is written.
                     summarizer = BackgroundSummarizer(
-                        summarizer.fold, timeout_s=settings.summary_timeout_s
+                        summarizer.fold,
+                        timeout_s=settings.summary_timeout_s,
+                        gate=self._turn_under_way.wait,
                     )
                     self._stop_summary()  # one written for the settings before, if any
                     self._background = summarizer
@@ -495,9 +501,11 @@ class ChatSession(Closeable):
         lease = self._lease_slot()
         clock = (requested, time.perf_counter())
         try:
+            self._turn_under_way.clear()
             built, generation, context = self._prepare(text)
             stream = self._stream(text, built, generation, context.eviction, clock, lease, replies)
         except BaseException:
+            self._turn_under_way.set()
             self._release(lease)
             raise
         # A stream dropped before its first chunk never runs its cleanup: give the slot back.
@@ -528,8 +536,10 @@ class ChatSession(Closeable):
         requested = time.perf_counter()
         lease = self._lease_slot()
         try:
+            self._turn_under_way.clear()
             return self._record_turn(text, reply, (requested, time.perf_counter()), lease)
         finally:
+            self._turn_under_way.set()
             self._release(lease)
 
     def _record_turn(
@@ -550,6 +560,7 @@ class ChatSession(Closeable):
             eviction=context.eviction,
             history_start=built.plan.history_start,
         ).wait(first_token_only=True)
+        self._turn_under_way.set()
         logged = (
             [{"role": "assistant", "content": reply}]
             if isinstance(reply, str)
@@ -622,8 +633,11 @@ class ChatSession(Closeable):
                 history_start=built.plan.history_start,
             )
             try:
-                yield from generation
+                for chunk in generation:
+                    self._turn_under_way.set()  # the first token is out
+                    yield chunk
             finally:
+                self._turn_under_way.set()
                 generation.close()
                 reply = self._finish(
                     user, generation.result, built.plan, (*leased, built_at, stored_at), lease

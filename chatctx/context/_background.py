@@ -1,7 +1,9 @@
 """Summaries off the critical path: a slow summarizer runs in a thread between turns.
 
 The evicting turn goes out at once with the previous summary (and recall); the new summary
-takes effect at the first turn after it is done. Only summarizers that can report partial
+takes effect at the first turn after it is done. It starts writing once that turn is under
+way (``gate``): started earlier, its first prompt chunk holds the model while the customer's
+prompt waits behind it. Only summarizers that can report partial
 progress (a ``fold`` method, as ``LLMSummarizer`` has) are run this way.
 """
 
@@ -18,6 +20,7 @@ from chatctx.store import Message
 logger = logging.getLogger("chatctx.context")
 
 RUNNING = "the summary is being written in the background"
+GATE_TIMEOUT_S = 30.0  # a gate never opened (a turn that died) holds a summary this long
 
 Fold = Callable[..., tuple[str | None, list[int], str | None]]
 
@@ -41,11 +44,16 @@ class BackgroundSummarizer:
     running) and reports no progress, so the messages stay pending. ``ready()`` tells the
     builder a result is waiting, so it can take it at the next turn even without an eviction.
     Calling the object directly (``summarizer(previous, messages)``) runs synchronously.
+    ``gate(timeout)``, when given, is waited for before a job starts writing: the session
+    opens it once the turn that started the job has its first token.
     """
 
-    def __init__(self, inner: Fold, *, timeout_s: float) -> None:
+    def __init__(
+        self, inner: Fold, *, timeout_s: float, gate: Callable[[float], bool] | None = None
+    ) -> None:
         self._fold = inner
         self.timeout_s = timeout_s
+        self._gate = gate
         self._lock = threading.Lock()
         self._job: _Job | None = None
         self.last_job_seconds: float | None = None
@@ -98,6 +106,8 @@ class BackgroundSummarizer:
 
         def run() -> None:
             try:
+                if self._gate is not None:
+                    self._gate(GATE_TIMEOUT_S)
                 job.result = self._fold(
                     previous, messages, deadline=time.monotonic() + self.timeout_s
                 )

@@ -7,8 +7,10 @@ Oracle: a fake folding summarizer gated by an event, so the test decides when th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from chatctx import ChatSession, Engine
 from chatctx.context import BackgroundSummarizer, ContextBuilder, ContextState
@@ -160,3 +162,46 @@ def test_closing_a_session_stops_its_background_summary(
         assert engine.kv_cells(spare) == 0
         engine.clear()  # refused while a generation holds a sequence
         assert all(cells == 0 for cells in engine.kv_usage().values())
+
+
+def test_a_background_summary_starts_after_its_turns_first_token(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    # Started while the turn was being prepared, the summary's first prompt chunk held the
+    # model and the customer's prompt waited behind it (on two cores, 100-250 ms of a turn's
+    # 120 ms). Oracle: the order in which the engine was handed the two generations, and the
+    # turn's first token as the engine timed it.
+    with (
+        Engine.load(tiny_llama3_path, n_ctx=1024, n_seq_max=2) as engine,
+        ChatSession.open(
+            db_url,
+            model=engine,
+            settings={"max_tokens": 2, "temperature": 0.0},
+            context={"budget": 200, "reserve": 8, "summarizer": "llm", "summary_max_tokens": 16},
+        ) as session,
+    ):
+        submitted: list[tuple[bool, float]] = []
+        submit = engine._submit
+
+        def recording(job: Any) -> None:
+            submitted.append((job.background, time.perf_counter()))
+            submit(job)
+
+        engine._submit = recording  # type: ignore[method-assign]
+        checked = 0
+        for turn in range(14):
+            submitted.clear()
+            reply = session.send(f"turn {turn}: " + "words " * 15)
+            summarizer = session.builder().summarizer
+            assert isinstance(summarizer, BackgroundSummarizer)
+            summarizer.wait(60)
+            assert reply.plan is not None and reply.timings.engine_ttft_ms is not None
+            side = [t for background, t in submitted if background]
+            if not (reply.plan.evicted and side):
+                continue
+            checked += 1
+            turn_at = next(t for background, t in submitted if not background)
+            # The engine counts the turn's TTFT from its submission: the first token came
+            # at turn_at + TTFT at the earliest; the summary was handed over after it.
+            assert side[0] >= turn_at + reply.timings.engine_ttft_ms / 1000
+        assert checked, "no evicting turn started a background summary"
