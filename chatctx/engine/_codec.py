@@ -3,7 +3,10 @@
 ``TiktokenCodec`` mirrors a GGUF's byte-level BPE vocabulary in tiktoken (ranks = token ids,
 the pre-tokenizer's split pattern, control tokens as specials): several times faster than
 llama.cpp's tokenizer and proven identical by the tests. Vocabularies it cannot mirror fall back
-to ``LlamaCodec``, which asks llama.cpp itself.
+to ``LlamaCodec``, which asks llama.cpp itself. One known gap: tiktoken's Unicode tables
+(16.0) are newer than llama.cpp's (15.1), so a text with one of Unicode 16's new letters
+(U+13460, an Egyptian hieroglyph, say) can split into different tokens; chatctx evaluates its
+own tokens, so only the count of such a text can differ from llama.cpp's tokenizer.
 """
 
 from __future__ import annotations
