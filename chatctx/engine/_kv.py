@@ -6,6 +6,12 @@ while the cache holds ``[kept prefix][evicted turns][kept turns][old tail]``. In
 re-evaluating everything after the kept prefix, the evicted span is removed and the kept turns
 are shifted to their new positions in place (``llama_memory_seq_rm`` + ``llama_memory_seq_add``);
 only inserted tokens (a changed summary) and the new tail are evaluated.
+
+The kept text can have more than one hole: a recall section sent before the last message is
+gone from the next prompt, so an eviction right after it leaves the cache as
+``[kept prefix][evicted turns][kept turns][recall][last message and reply][old tail]``.
+Each further run of kept tokens that follows in the prompt is moved too, so only the new tail
+is evaluated.
 """
 
 from __future__ import annotations
@@ -20,30 +26,37 @@ MIN_CHUNK = 16  # smaller reusable spans are not worth a shift
 class ReusePlan:
     """How to turn the cached tokens into the prompt.
 
-    ``prefix``: tokens kept in place. ``chunk``: (start, end) of cached tokens moved so they
-    start at ``dest`` in the prompt (None: nothing is moved). Prompt tokens
-    ``[prefix, dest)`` are evaluated before the chunk, ``[resume, len)`` after it.
+    ``prefix``: tokens kept in place. ``chunks``: (start, end) of the cached runs moved, in
+    order, so that they lie back to back in the prompt from ``dest`` on (none: nothing is
+    moved). Prompt tokens ``[prefix, dest)`` are evaluated before them, ``[resume, len)``
+    after them.
     """
 
     prefix: int
-    chunk: tuple[int, int] | None = None
+    chunks: tuple[tuple[int, int], ...] = ()
     dest: int = 0
 
     @property
     def chunk_len(self) -> int:
-        return 0 if self.chunk is None else self.chunk[1] - self.chunk[0]
+        """Tokens moved, all runs together."""
+        return sum(end - start for start, end in self.chunks)
 
     @property
     def inserted(self) -> int:
-        return 0 if self.chunk is None else self.dest - self.prefix
+        return self.dest - self.prefix if self.chunks else 0
 
     @property
     def resume(self) -> int:
-        return self.prefix if self.chunk is None else self.dest + self.chunk_len
+        return self.dest + self.chunk_len if self.chunks else self.prefix
 
-    @property
-    def delta(self) -> int:
-        return 0 if self.chunk is None else self.dest - self.chunk[0]
+    def moves(self) -> list[tuple[int, int, int]]:
+        """(start, end, delta) of each run: its cached positions and how far it moves."""
+        out = []
+        at = self.dest
+        for start, end in self.chunks:
+            out.append((start, end, at - start))
+            at += end - start
+        return out
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -98,15 +111,32 @@ def plan_reuse(
     starts = [prefix]
     if history_start is not None and prefix < history_start < limit:
         starts.append(history_start)
-    best = ReusePlan(prefix=prefix)
+    best = (-1, 0, prefix, prefix)  # the first run (at, length, dest), the prefix kept
     for dest in starts:
         if dest + min_chunk > limit:
             continue
-        start = prefix + 1 if dest == prefix else prefix
+        # A run moved to right after the prefix starts past it (else it would extend the
+        # prefix). One moved behind new tokens may start inside it: turns right after the
+        # system prompt share their first token with a summary put in front of them, and the
+        # prefix gives that token back.
+        start = prefix + 1 if dest == prefix else 0
         at, length = _best_match(cached, prompt, dest, start, limit, min_chunk)
-        if at >= 0 and length > best.chunk_len:
-            best = ReusePlan(prefix=prefix, chunk=(at, at + length), dest=dest)
-    return best
+        kept = min(prefix, at)
+        if at >= 0 and kept + length > best[3] + best[1]:
+            best = (at, length, dest, kept)
+    at, length, dest, prefix = best
+    if at < 0:
+        return ReusePlan(prefix=prefix)
+    chunks = [(at, at + length)]
+    # Runs further on in the cache that continue the prompt where the last one stops.
+    here = dest + length
+    while here + min_chunk <= limit:
+        at, length = _best_match(cached, prompt, here, chunks[-1][1], limit, min_chunk)
+        if at < 0:
+            break
+        chunks.append((at, at + length))
+        here += length
+    return ReusePlan(prefix=prefix, chunks=tuple(chunks), dest=dest)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ def prepare(
     """
     plan = plan_reuse(mirror, prompt, history_start=history_start)
     fallback = None
-    if plan.chunk is not None:
+    if plan.chunks:
         if eviction == "recompute":
             fallback = "eviction policy is recompute"
         elif not ctx.can_shift():
@@ -45,7 +45,7 @@ def prepare(
             fallback = "new tokens precede the kept turns and no spare unified sequence"
         elif plan.inserted and not spare_free:
             fallback = "new tokens precede the kept turns and the spare sequence is busy"
-    if plan.chunk is None or fallback is not None:
+    if not plan.chunks or fallback is not None:
         reused = plan.prefix
         evicted = len(mirror) - reused
         ctx.seq_rm(seq_id, reused, -1)
@@ -60,45 +60,71 @@ def prepare(
             fallback=fallback,
         )
         return report, reused
-    start, end = plan.chunk
+    moves = plan.moves()
+    kept = [t for start, end, _ in moves for t in mirror[start:end]]
     evicted = len(mirror) - plan.prefix - plan.chunk_len
-    ctx.seq_rm(seq_id, end, -1)  # the old tail (previous reply) goes first
+    ctx.seq_rm(seq_id, moves[-1][1], -1)  # the old tail (previous reply) goes first
     if plan.inserted == 0:
-        ctx.seq_rm(seq_id, plan.prefix, start)
-        ctx.seq_add(seq_id, start, end, plan.delta)
-        mirror[:] = mirror[: plan.prefix] + mirror[start:end]
+        for gap_start, gap_end in _gaps(plan.prefix, moves):
+            ctx.seq_rm(seq_id, gap_start, gap_end)
+        _shift(ctx, seq_id, moves)
+        mirror[:] = mirror[: plan.prefix] + kept
     else:
         # llama.cpp only appends at pos_max + 1: park the kept turns on the spare
         # sequence, evaluate the inserted tokens, then move the turns back behind them.
         assert spare is not None
         ctx.seq_rm(spare, 0, -1)
-        ctx.seq_cp(seq_id, spare, start, end)
+        for start, end, _ in moves:
+            ctx.seq_cp(seq_id, spare, start, end)
         ctx.seq_rm(seq_id, plan.prefix, -1)
-        kept = mirror[start:end]
         del mirror[plan.prefix :]
         try:
             ctx.decode(seq_id, prompt[plan.prefix : plan.dest], plan.prefix, want_last_logits=False)
             mirror.extend(prompt[plan.prefix : plan.dest])
-            ctx.seq_add(spare, start, end, plan.delta)
-            ctx.seq_cp(spare, seq_id, plan.dest, plan.dest + plan.chunk_len)
+            _shift(ctx, spare, moves)
+            ctx.seq_cp(spare, seq_id, plan.dest, plan.resume)
             mirror.extend(kept)
         finally:
             ctx.seq_rm(spare, 0, -1)
+    shifted = [(end - start, delta) for start, end, delta in moves if delta]
     report = KVReport(
         policy=eviction,
         reused_tokens=plan.prefix + plan.chunk_len,
         evaluated_tokens=len(prompt) - plan.prefix - plan.chunk_len,
         evicted_tokens=evicted,
-        shifted_tokens=plan.chunk_len if plan.delta else 0,
-        shift_count=1 if plan.delta else 0,
+        shifted_tokens=sum(n for n, _ in shifted),
+        shift_count=len(shifted),
     )
     logger.debug(
-        "seq %d: kept %d, removed %d, shifted %d by %d, evaluated %d",
+        "seq %d: kept %d, removed %d, shifted (tokens, by) %s, evaluated %d",
         seq_id,
         plan.prefix,
         evicted,
-        plan.chunk_len,
-        plan.delta,
+        shifted,
         report.evaluated_tokens,
     )
     return report, plan.resume
+
+
+def _gaps(prefix: int, moves: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The cached spans between the kept prefix and the runs moved, and between the runs."""
+    out = []
+    at = prefix
+    for start, end, _ in moves:
+        if start > at:
+            out.append((at, start))
+        at = end
+    return out
+
+
+def _shift(ctx: NativeContext, seq_id: int, moves: list[tuple[int, int, int]]) -> None:
+    """Move each run by its delta (the spans between them are already removed).
+
+    ``seq_add`` moves whatever cells lie in a position range, so no run may land on one not
+    yet moved: runs going right move last first, then runs going left first first. The runs
+    keep their order, so neither kind can reach one that has still to move.
+    """
+    right = [m for m in moves if m[2] > 0]
+    left = [m for m in moves if m[2] < 0]
+    for start, end, delta in [*reversed(right), *left]:
+        ctx.seq_add(seq_id, start, end, delta)

@@ -209,21 +209,21 @@ class DryBackend(PooledLeases, Closeable):
         self, prompt: list[int], seq_id: int, eviction: str, history_start: int | None
     ) -> GenerationResult:
         # The accounting of Engine's prepare(), on a model that can shift and with the spare
-        # sequence free: a chunk is reused unless the policy is recompute.
+        # sequence free: the moved runs are reused unless the policy is recompute.
         with self._lock:
             self._check_open()
             mirror = self._mirror[seq_id]
             plan = plan_reuse(mirror, prompt, history_start=history_start)
-            if plan.chunk is not None and eviction == "shift":
+            if plan.chunks and eviction == "shift":
                 reused = plan.prefix + plan.chunk_len
-                shifted = plan.chunk_len if plan.delta else 0
+                moved = [end - start for start, end, delta in plan.moves() if delta]
                 report = KVReport(
                     policy=eviction,
                     reused_tokens=reused,
                     evaluated_tokens=len(prompt) - reused,
                     evicted_tokens=len(mirror) - reused,
-                    shifted_tokens=shifted,
-                    shift_count=1 if plan.delta else 0,
+                    shifted_tokens=sum(moved),
+                    shift_count=len(moved),
                 )
             else:
                 reused = plan.prefix
@@ -234,7 +234,7 @@ class DryBackend(PooledLeases, Closeable):
                     evicted_tokens=len(mirror) - reused,
                     shifted_tokens=0,
                     shift_count=0,
-                    fallback=None if plan.chunk is None else "eviction policy is recompute",
+                    fallback="eviction policy is recompute" if plan.chunks else None,
                 )
             # A teacher-forced prefill leaves exactly the prompt; the sampled token is never
             # evaluated.

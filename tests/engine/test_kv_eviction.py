@@ -21,6 +21,7 @@ import pytest
 
 from chatctx import ChatSession, Engine, Store
 from chatctx.context import BackgroundSummarizer
+from chatctx.engine import plan_reuse
 from chatctx.synthetic import support_conversation
 from chatctx.testing import write_tiny_llama3
 from tests.llama_counters import counted, prime_counters
@@ -231,6 +232,112 @@ def test_kept_turns_behind_a_new_summary_match_a_recompute(
         assert result.kv.shifted_tokens == kept_len
         # Only the summary (after the common prefix) and the new question were evaluated.
         expected = len(prompt) - common_prefix(old, prompt) - kept_len
+        assert evaluated == result.usage.evaluated_tokens == expected
+        assert_cache_holds(engine, prompt)
+        assert engine.kv_cells(1) == 0
+        got = last_logits(engine)
+    want = recompute(oracle, prompt)
+    assert max_diff(got, want) < TOL
+    assert int(got.argmax()) == int(want.argmax())
+
+
+def test_a_first_summary_goes_in_front_of_the_turns_without_evaluating_them_again(
+    one_layer_path: Path, oracle: Engine
+) -> None:
+    # A background summary taken at a turn that evicts nothing: it goes between the system
+    # prompt and the turns right after it, whose first token (the header) it shares. The
+    # turns are moved behind it, not evaluated again.
+    system = [{"role": "system", "content": "You are a helpful support agent."}]
+    turns = [
+        {"role": "user", "content": "Question 1: my order NH-4001 is late."},
+        {"role": "assistant", "content": "Answer 1: it ships on day 1."},
+        {"role": "user", "content": "Question 2: my order NH-4002 is late."},
+        {"role": "assistant", "content": "Answer 2: it ships on day 2."},
+    ]
+    summary = [{"role": "system", "content": "Summary: order NH-4000 was late and refunded."}]
+    question = [{"role": "user", "content": "And what about my refund?"}]
+    with Engine.load(one_layer_path, n_ctx=1024, n_seq_max=2) as engine:
+        old = engine.prompt_tokens(system + turns, add_generation_prompt=False)
+        prompt = engine.prompt_tokens(system + summary + turns + question)
+        head = len(engine.prompt_tokens(system, add_generation_prompt=False))
+        history_start = len(engine.prompt_tokens(system + summary, add_generation_prompt=False))
+        assert old[head] == prompt[head]  # the premise: the summary starts as the turns do
+        prime_counters(engine)
+        engine.prefill(old)
+        before = counted(engine)
+        result = engine.prefill(prompt, eviction="shift", history_start=history_start)
+        evaluated = counted(engine) - before
+        assert result.kv is not None and result.kv.shifted_tokens == len(old) - head
+        new_tail = len(prompt) - history_start - (len(old) - head)
+        assert evaluated == result.usage.evaluated_tokens == (history_start - head) + new_tail
+        assert_cache_holds(engine, prompt)
+        assert engine.kv_cells(1) == 0
+        got = last_logits(engine)
+    want = recompute(oracle, prompt)
+    assert max_diff(got, want) < TOL
+    assert int(got.argmax()) == int(want.argmax())
+
+
+@pytest.mark.parametrize("summary_lines", [0, 1, 12])
+def test_an_eviction_right_after_a_recall_evaluates_only_the_new_message(
+    one_layer_path: Path, oracle: Engine, summary_lines: int
+) -> None:
+    # The last prompt sent a recall section before its message; the next prompt evicts the
+    # oldest turns and drops the recall section. The cache has two holes to close (the evicted
+    # turns, the recall section): the kept turns and the last message with its reply both
+    # move, so llama.cpp evaluates the new summary (if any) and the new message, no more.
+    # Without a summary both runs move left; a summary of one line is shorter than the evicted
+    # turns (left again, via the spare sequence); one of twelve lines is longer than the
+    # evicted turns and the recall section together, so both runs move right, the first onto
+    # the second's old place (moved in the wrong order, the cache would be scrambled).
+    system = [{"role": "system", "content": "You are a helpful support agent."}]
+
+    def turn(i: int) -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": f"Question {i}: my order NH-{4000 + i} is late."},
+            {"role": "assistant", "content": f"Answer {i}: it ships on day {i}."},
+        ]
+
+    recall = [
+        {
+            "role": "system",
+            "content": "Earlier in this conversation: user: my locker code is 4417, and the "
+            "spare key is under the blue flower pot by the back door.",
+        }
+    ]
+    line = "Orders NH-4000 to NH-4002 are late; the customer wants a refund."
+    summary = (
+        [{"role": "system", "content": "Summary: " + " ".join([line] * summary_lines)}]
+        if summary_lines
+        else []
+    )
+    kept = [m for i in range(3, 6) for m in turn(i)]
+    question = [{"role": "user", "content": "And what about my refund?"}]
+    with Engine.load(one_layer_path, n_ctx=1024, n_seq_max=2) as engine:
+        old = engine.prompt_tokens(
+            system + [m for i in range(6) for m in turn(i)] + recall + turn(6),
+            add_generation_prompt=False,
+        )
+        prompt = engine.prompt_tokens(system + summary + kept + turn(6) + question)
+        head = len(engine.prompt_tokens(system + summary, add_generation_prompt=False))
+        tail = len(prompt) - len(
+            engine.prompt_tokens(system + summary + kept + turn(6), add_generation_prompt=False)
+        )
+        (_, b_end, b_delta), (c_start, _, c_delta) = plan_reuse(
+            old, prompt, history_start=head
+        ).moves()
+        if summary_lines == 12:  # the premise: the kept turns land on the last turn's place
+            assert c_delta > 0 and b_end + b_delta > c_start
+        else:
+            assert b_delta < 0 and c_delta < 0
+        prime_counters(engine)
+        engine.prefill(old)
+        before = counted(engine)
+        result = engine.prefill(prompt, eviction="shift", history_start=head)
+        evaluated = counted(engine) - before
+        assert result.kv is not None and result.kv.fallback is None
+        assert result.kv.shift_count == 2  # the kept turns, and the last turn behind them
+        expected = tail + max(0, head - common_prefix(old, prompt))  # and the summary
         assert evaluated == result.usage.evaluated_tokens == expected
         assert_cache_holds(engine, prompt)
         assert engine.kv_cells(1) == 0
