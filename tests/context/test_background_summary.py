@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,17 +91,24 @@ def test_evicting_turn_does_not_wait_and_the_summary_arrives_later(
     assert "[summary of" in taken.messages[1]["content"]
 
 
+@contextmanager
+def llm_session(db_url: str, engine: Engine) -> Iterator[ChatSession]:
+    """A session whose LLM summaries come early: a 200-token budget, 16-token summaries."""
+    with ChatSession.open(
+        db_url,
+        model=engine,
+        settings={"max_tokens": 2, "temperature": 0.0},
+        context={"budget": 200, "reserve": 8, "summarizer": "llm", "summary_max_tokens": 16},
+    ) as session:
+        yield session
+
+
 def test_llm_summaries_of_a_session_run_in_the_background(
     db_url: str, tiny_llama3_path: Path
 ) -> None:
     with (
         Engine.load(tiny_llama3_path, n_ctx=1024, n_seq_max=2) as engine,
-        ChatSession.open(
-            db_url,
-            model=engine,
-            settings={"max_tokens": 2, "temperature": 0.0},
-            context={"budget": 200, "reserve": 8, "summarizer": "llm", "summary_max_tokens": 16},
-        ) as session,
+        llm_session(db_url, engine) as session,
     ):
         builder = session.builder()
         assert isinstance(builder.summarizer, BackgroundSummarizer)
@@ -173,12 +181,7 @@ def test_a_background_summary_starts_after_its_turns_first_token(
     # turn's first token as the engine timed it.
     with (
         Engine.load(tiny_llama3_path, n_ctx=1024, n_seq_max=2) as engine,
-        ChatSession.open(
-            db_url,
-            model=engine,
-            settings={"max_tokens": 2, "temperature": 0.0},
-            context={"budget": 200, "reserve": 8, "summarizer": "llm", "summary_max_tokens": 16},
-        ) as session,
+        llm_session(db_url, engine) as session,
     ):
         submitted: list[tuple[bool, float]] = []
         submit = engine._submit

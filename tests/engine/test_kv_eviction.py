@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chatctx import ChatSession, Engine, Store
+from chatctx import ChatSession, Engine, GenerationResult, Store
 from chatctx.context import BackgroundSummarizer
 from chatctx.engine import plan_reuse
 from chatctx.synthetic import support_conversation
@@ -197,48 +197,65 @@ def test_evicted_turns_leave_the_cache_a_recompute_would_build(
         assert len(store.turns("r")) == TURNS
 
 
+SYSTEM = [{"role": "system", "content": "You are a helpful support agent."}]
+QUESTION = [{"role": "user", "content": "And what about my refund?"}]
+
+
+def turn(i: int) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": f"Question {i}: my order NH-{4000 + i} is late."},
+        {"role": "assistant", "content": f"Answer {i}: it ships on day {i}."},
+    ]
+
+
+def turns(numbers: range) -> list[dict[str, str]]:
+    return [m for i in numbers for m in turn(i)]
+
+
+def move_and_check(
+    engine: Engine, oracle: Engine, old: list[int], prompt: list[int], history_start: int
+) -> tuple[GenerationResult, int]:
+    """Prefill ``old``, then ``prompt`` in place; returns the result and the tokens llama.cpp
+    evaluated for ``prompt``. Checks the cache holds exactly ``prompt``, the spare sequence
+    is left empty and the next-token logits match a recompute."""
+    prime_counters(engine)
+    engine.prefill(old)
+    before = counted(engine)
+    result = engine.prefill(prompt, eviction="shift", history_start=history_start)
+    evaluated = counted(engine) - before
+    assert result.kv is not None and result.kv.fallback is None
+    assert_cache_holds(engine, prompt)
+    assert engine.kv_cells(1) == 0
+    got = last_logits(engine)
+    want = recompute(oracle, prompt)
+    assert max_diff(got, want) < TOL
+    assert int(got.argmax()) == int(want.argmax())
+    return result, evaluated
+
+
 def test_kept_turns_behind_a_new_summary_match_a_recompute(
     one_layer_path: Path, oracle: Engine
 ) -> None:
     # The park/restore path directly: the kept turns are parked on the spare sequence, the
     # summary is evaluated behind the system prompt, and the turns come back shifted.
-    system = [{"role": "system", "content": "You are a helpful support agent."}]
-
-    def turn(i: int) -> list[dict[str, str]]:
-        return [
-            {"role": "user", "content": f"Question {i}: my order NH-{4000 + i} is late."},
-            {"role": "assistant", "content": f"Answer {i}: it ships on day {i}."},
-        ]
-
     summary = [{"role": "system", "content": "Summary: orders NH-4000 to NH-4002 are late."}]
-    kept = [m for i in range(3, 6) for m in turn(i)]
-    question = [{"role": "user", "content": "And what about my refund?"}]
     with Engine.load(one_layer_path, n_ctx=1024, n_seq_max=2) as engine:
-        old = engine.prompt_tokens(
-            system + [m for i in range(6) for m in turn(i)], add_generation_prompt=False
-        )
-        prompt = engine.prompt_tokens(system + summary + kept + question)
-        history_start = len(engine.prompt_tokens(system + summary, add_generation_prompt=False))
+        old = engine.prompt_tokens(SYSTEM + turns(range(6)), add_generation_prompt=False)
+        prompt = engine.prompt_tokens(SYSTEM + summary + turns(range(3, 6)) + QUESTION)
+        history_start = len(engine.prompt_tokens(SYSTEM + summary, add_generation_prompt=False))
         kept_len = (
-            len(engine.prompt_tokens(system + summary + kept, add_generation_prompt=False))
+            len(
+                engine.prompt_tokens(
+                    SYSTEM + summary + turns(range(3, 6)), add_generation_prompt=False
+                )
+            )
             - history_start
         )
-        prime_counters(engine)
-        engine.prefill(old)
-        before = counted(engine)
-        result = engine.prefill(prompt, eviction="shift", history_start=history_start)
-        evaluated = counted(engine) - before
-        assert result.kv is not None and result.kv.fallback is None
-        assert result.kv.shifted_tokens == kept_len
-        # Only the summary (after the common prefix) and the new question were evaluated.
-        expected = len(prompt) - common_prefix(old, prompt) - kept_len
-        assert evaluated == result.usage.evaluated_tokens == expected
-        assert_cache_holds(engine, prompt)
-        assert engine.kv_cells(1) == 0
-        got = last_logits(engine)
-    want = recompute(oracle, prompt)
-    assert max_diff(got, want) < TOL
-    assert int(got.argmax()) == int(want.argmax())
+        result, evaluated = move_and_check(engine, oracle, old, prompt, history_start)
+    assert result.kv is not None and result.kv.shifted_tokens == kept_len
+    # Only the summary (after the common prefix) and the new question were evaluated.
+    expected = len(prompt) - common_prefix(old, prompt) - kept_len
+    assert evaluated == result.usage.evaluated_tokens == expected
 
 
 def test_a_first_summary_goes_in_front_of_the_turns_without_evaluating_them_again(
@@ -247,35 +264,17 @@ def test_a_first_summary_goes_in_front_of_the_turns_without_evaluating_them_agai
     # A background summary taken at a turn that evicts nothing: it goes between the system
     # prompt and the turns right after it, whose first token (the header) it shares. The
     # turns are moved behind it, not evaluated again.
-    system = [{"role": "system", "content": "You are a helpful support agent."}]
-    turns = [
-        {"role": "user", "content": "Question 1: my order NH-4001 is late."},
-        {"role": "assistant", "content": "Answer 1: it ships on day 1."},
-        {"role": "user", "content": "Question 2: my order NH-4002 is late."},
-        {"role": "assistant", "content": "Answer 2: it ships on day 2."},
-    ]
     summary = [{"role": "system", "content": "Summary: order NH-4000 was late and refunded."}]
-    question = [{"role": "user", "content": "And what about my refund?"}]
     with Engine.load(one_layer_path, n_ctx=1024, n_seq_max=2) as engine:
-        old = engine.prompt_tokens(system + turns, add_generation_prompt=False)
-        prompt = engine.prompt_tokens(system + summary + turns + question)
-        head = len(engine.prompt_tokens(system, add_generation_prompt=False))
-        history_start = len(engine.prompt_tokens(system + summary, add_generation_prompt=False))
+        old = engine.prompt_tokens(SYSTEM + turns(range(1, 3)), add_generation_prompt=False)
+        prompt = engine.prompt_tokens(SYSTEM + summary + turns(range(1, 3)) + QUESTION)
+        head = len(engine.prompt_tokens(SYSTEM, add_generation_prompt=False))
+        history_start = len(engine.prompt_tokens(SYSTEM + summary, add_generation_prompt=False))
         assert old[head] == prompt[head]  # the premise: the summary starts as the turns do
-        prime_counters(engine)
-        engine.prefill(old)
-        before = counted(engine)
-        result = engine.prefill(prompt, eviction="shift", history_start=history_start)
-        evaluated = counted(engine) - before
-        assert result.kv is not None and result.kv.shifted_tokens == len(old) - head
-        new_tail = len(prompt) - history_start - (len(old) - head)
-        assert evaluated == result.usage.evaluated_tokens == (history_start - head) + new_tail
-        assert_cache_holds(engine, prompt)
-        assert engine.kv_cells(1) == 0
-        got = last_logits(engine)
-    want = recompute(oracle, prompt)
-    assert max_diff(got, want) < TOL
-    assert int(got.argmax()) == int(want.argmax())
+        result, evaluated = move_and_check(engine, oracle, old, prompt, history_start)
+    assert result.kv is not None and result.kv.shifted_tokens == len(old) - head
+    new_tail = len(prompt) - history_start - (len(old) - head)
+    assert evaluated == result.usage.evaluated_tokens == (history_start - head) + new_tail
 
 
 @pytest.mark.parametrize("summary_lines", [0, 1, 12])
@@ -290,14 +289,6 @@ def test_an_eviction_right_after_a_recall_evaluates_only_the_new_message(
     # turns (left again, via the spare sequence); one of twelve lines is longer than the
     # evicted turns and the recall section together, so both runs move right, the first onto
     # the second's old place (moved in the wrong order, the cache would be scrambled).
-    system = [{"role": "system", "content": "You are a helpful support agent."}]
-
-    def turn(i: int) -> list[dict[str, str]]:
-        return [
-            {"role": "user", "content": f"Question {i}: my order NH-{4000 + i} is late."},
-            {"role": "assistant", "content": f"Answer {i}: it ships on day {i}."},
-        ]
-
     recall = [
         {
             "role": "system",
@@ -311,18 +302,14 @@ def test_an_eviction_right_after_a_recall_evaluates_only_the_new_message(
         if summary_lines
         else []
     )
-    kept = [m for i in range(3, 6) for m in turn(i)]
-    question = [{"role": "user", "content": "And what about my refund?"}]
+    sent = SYSTEM + summary + turns(range(3, 7))
     with Engine.load(one_layer_path, n_ctx=1024, n_seq_max=2) as engine:
         old = engine.prompt_tokens(
-            system + [m for i in range(6) for m in turn(i)] + recall + turn(6),
-            add_generation_prompt=False,
+            SYSTEM + turns(range(6)) + recall + turn(6), add_generation_prompt=False
         )
-        prompt = engine.prompt_tokens(system + summary + kept + turn(6) + question)
-        head = len(engine.prompt_tokens(system + summary, add_generation_prompt=False))
-        tail = len(prompt) - len(
-            engine.prompt_tokens(system + summary + kept + turn(6), add_generation_prompt=False)
-        )
+        prompt = engine.prompt_tokens(sent + QUESTION)
+        head = len(engine.prompt_tokens(SYSTEM + summary, add_generation_prompt=False))
+        tail = len(prompt) - len(engine.prompt_tokens(sent, add_generation_prompt=False))
         (_, b_end, b_delta), (c_start, _, c_delta) = plan_reuse(
             old, prompt, history_start=head
         ).moves()
@@ -330,21 +317,11 @@ def test_an_eviction_right_after_a_recall_evaluates_only_the_new_message(
             assert c_delta > 0 and b_end + b_delta > c_start
         else:
             assert b_delta < 0 and c_delta < 0
-        prime_counters(engine)
-        engine.prefill(old)
-        before = counted(engine)
-        result = engine.prefill(prompt, eviction="shift", history_start=head)
-        evaluated = counted(engine) - before
-        assert result.kv is not None and result.kv.fallback is None
-        assert result.kv.shift_count == 2  # the kept turns, and the last turn behind them
-        expected = tail + max(0, head - common_prefix(old, prompt))  # and the summary
-        assert evaluated == result.usage.evaluated_tokens == expected
-        assert_cache_holds(engine, prompt)
-        assert engine.kv_cells(1) == 0
-        got = last_logits(engine)
-    want = recompute(oracle, prompt)
-    assert max_diff(got, want) < TOL
-    assert int(got.argmax()) == int(want.argmax())
+        result, evaluated = move_and_check(engine, oracle, old, prompt, head)
+    assert result.kv is not None
+    assert result.kv.shift_count == 2  # the kept turns, and the last turn behind them
+    expected = tail + max(0, head - common_prefix(old, prompt))  # and the summary
+    assert evaluated == result.usage.evaluated_tokens == expected
 
 
 @pytest.mark.parametrize("model", ["llama3", pytest.param("smollm2", marks=pytest.mark.slow)])
@@ -354,24 +331,12 @@ def test_logits_after_a_shift_stay_close_to_recompute(
     # With several layers the kept turns' K/V saw the evicted turns: not exact, bounded.
     path = tiny_llama3_path if model == "llama3" else smollm2_path
     with Engine.load(path, n_ctx=1024) as engine:
-
-        def turn(i: int) -> list[dict[str, str]]:
-            return [
-                {"role": "user", "content": f"Question {i}: my order NH-{4000 + i} is late."},
-                {"role": "assistant", "content": f"Answer {i}: it ships on day {i}."},
-            ]
-
-        system = [{"role": "system", "content": "You are a helpful support agent."}]
-        old = system + [m for i in range(6) for m in turn(i)]
-        new = (
-            system
-            + [m for i in range(3, 6) for m in turn(i)]
-            + [{"role": "user", "content": "And what about my refund?"}]
-        )
+        old = SYSTEM + turns(range(6))
+        new = SYSTEM + turns(range(3, 6)) + QUESTION
         cached = engine.prompt_tokens(old, add_generation_prompt=False)
         engine.prefill(cached)
         prompt = engine.prompt_tokens(new)
-        history_start = len(engine.prompt_tokens(system, add_generation_prompt=False))
+        history_start = len(engine.prompt_tokens(SYSTEM, add_generation_prompt=False))
         kept_len = len(engine.prompt_tokens(new[:-1], add_generation_prompt=False)) - history_start
         shifted = engine.prefill(prompt, eviction="shift", history_start=history_start)
         # The kept turns moved, but for their first tokens, common with the evicted turn's.
