@@ -1,26 +1,80 @@
-"""chatctx: chatbot context and KV-cache management for llama.cpp and Llama 3 models."""
+"""chatctx: chatbot context and KV-cache management for llama.cpp and Llama 3 models.
 
-from chatctx.config import EngineConfig, GenerationSettings, Settings
-from chatctx.engine import Engine, GenerationResult, ModelInfo, Timings, Usage
-from chatctx.errors import (
-    ChatctxError,
-    ConfigError,
-    ContextBudgetError,
-    ConversationNotFound,
-    GenerationError,
-    ImportFormatError,
-    KVCacheError,
-    ModelError,
-    StoreError,
-)
-from chatctx.session import ChatSession, Reply
-from chatctx.store import Conversation, Message, Store, Turn
+Names are imported on first use (PEP 562): ``import chatctx`` (or ``chatctx.session``,
+``chatctx.store``) never loads llama.cpp; ``chatctx.Engine`` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatctx.backend import (
+        Backend,
+        Codec,
+        GenerationResult,
+        Lease,
+        ModelInfo,
+        Stream,
+        Timings,
+        Usage,
+    )
+    from chatctx.config import EngineConfig, GenerationSettings, Settings
+    from chatctx.engine import Engine
+    from chatctx.errors import (
+        ChatctxError,
+        ClosedError,
+        ConfigError,
+        ContextBudgetError,
+        ConversationNotFound,
+        GenerationError,
+        ImportFormatError,
+        KVCacheError,
+        ModelError,
+        StoreError,
+    )
+    from chatctx.session import ChatSession, Reply
+    from chatctx.store import Conversation, Message, Store, Turn
 
 __version__ = "0.1.0"
 
+_WHERE = {
+    "chatctx.backend": (
+        "Backend",
+        "Codec",
+        "GenerationResult",
+        "Lease",
+        "ModelInfo",
+        "Stream",
+        "Timings",
+        "Usage",
+    ),
+    "chatctx.config": ("EngineConfig", "GenerationSettings", "Settings"),
+    "chatctx.engine": ("Engine",),
+    "chatctx.errors": (
+        "ChatctxError",
+        "ClosedError",
+        "ConfigError",
+        "ContextBudgetError",
+        "ConversationNotFound",
+        "GenerationError",
+        "ImportFormatError",
+        "KVCacheError",
+        "ModelError",
+        "StoreError",
+    ),
+    "chatctx.session": ("ChatSession", "Reply"),
+    "chatctx.store": ("Conversation", "Message", "Store", "Turn"),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
 __all__ = [
+    "Backend",
     "ChatSession",
     "ChatctxError",
+    "ClosedError",
+    "Codec",
     "ConfigError",
     "ContextBudgetError",
     "Conversation",
@@ -32,6 +86,7 @@ __all__ = [
     "GenerationSettings",
     "ImportFormatError",
     "KVCacheError",
+    "Lease",
     "Message",
     "ModelError",
     "ModelInfo",
@@ -39,8 +94,22 @@ __all__ = [
     "Settings",
     "Store",
     "StoreError",
+    "Stream",
     "Timings",
     "Turn",
     "Usage",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chatctx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

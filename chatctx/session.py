@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from chatctx._resource import Closeable
+from chatctx.backend import Backend, GenerationResult, Lease, TextEmbedder, Timings, Usage
 from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.context import (
     BackgroundSummarizer,
@@ -38,18 +39,7 @@ from chatctx.context import (
     summarizer_for,
     summary_limit,
 )
-from chatctx.engine import (
-    Backend,
-    Engine,
-    GenerationResult,
-    Lease,
-    Timings,
-    Usage,
-    embedder_available,
-    shared_embedder,
-)
 from chatctx.errors import ClosedError, ConfigError
-from chatctx.monitor import memory_snapshot
 from chatctx.store import Message, Store, Turn
 
 __all__ = ["ChatSession", "Reply"]
@@ -92,6 +82,7 @@ class ChatSession(Closeable):
         on_turn: Callable[[Turn], None] | None = None,
         owns_store: bool = False,
         owns_engine: bool = False,
+        embedder: TextEmbedder | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -102,6 +93,8 @@ class ChatSession(Closeable):
         self._pinned = seq_id is not None
         self._lease: Lease | None = None
         self._custom_summarizer = summarizer
+        # Recall by meaning: this embedder, else the backend's (None: recall by words).
+        self._embedder = embedder
         self.on_turn = on_turn
         self._owns_store = owns_store
         self._owns_engine = owns_engine
@@ -134,6 +127,7 @@ class ChatSession(Closeable):
         on_turn: Callable[[Turn], None] | None = None,
         engine_options: Mapping[str, Any] | None = None,
         seq_id: int | None = None,
+        embedder: TextEmbedder | None = None,
     ) -> ChatSession:
         """Open (or create) a conversation.
 
@@ -146,6 +140,8 @@ class ChatSession(Closeable):
         summarizer), when given, are stored with the conversation. ``summarizer`` is a callable
         ``(previous_summary, evicted_messages) -> summary`` used instead of the configured one.
         ``on_turn`` is called with each stored turn record (tokens, KV events, timings).
+        ``embedder`` ranks evicted messages for recall by meaning instead of the backend's
+        (``Backend.embedder()``: the local all-MiniLM-L6-v2 when it is installed).
         """
         generation = _settings(settings) if settings is not None else None
         context_settings = _context_settings(context) if context is not None else None
@@ -153,12 +149,26 @@ class ChatSession(Closeable):
         if db is None:
             db = Settings.from_env().db
         store = Store(db) if isinstance(db, str) else db
+        built: Backend | None = None  # an engine loaded here, closed again on failure
         try:
-            cid = conversation_id
             changed = generation is not None or context_settings is not None
-            if cid is not None and store.has_conversation(cid):
-                if system_prompt is not None or changed:
-                    current = ConversationSettings.parse(store.get_conversation(cid).settings)
+            initial = ConversationSettings(
+                generation=generation or GenerationSettings(),
+                context=context_settings or ContextSettings(),
+            )
+            if conversation_id is None:
+                cid = store.create_conversation(
+                    system_prompt=system_prompt, settings=initial.to_json()
+                ).id
+            else:
+                # Get-or-create in one statement: two first messages of a new customer at
+                # once open one conversation, never an "already exists" error.
+                cid = conversation_id
+                existing, created = store.get_or_create_conversation(
+                    cid, system_prompt=system_prompt, settings=initial.to_json()
+                )
+                if not created and (system_prompt is not None or changed):
+                    current = ConversationSettings.parse(existing.settings)
                     merged = ConversationSettings(
                         generation=generation or current.generation,
                         context=context_settings or current.context,
@@ -168,34 +178,28 @@ class ChatSession(Closeable):
                         system_prompt=system_prompt,
                         settings=merged.to_json() if changed else None,
                     )
+            if isinstance(model, Backend):
+                engine: Backend = model
             else:
-                initial = ConversationSettings(
-                    generation=generation or GenerationSettings(),
-                    context=context_settings or ContextSettings(),
-                )
-                cid = store.create_conversation(
-                    cid, system_prompt=system_prompt, settings=initial.to_json()
-                ).id
-            owns_engine = not isinstance(model, Backend)
-            engine: Backend = (
-                model
-                if isinstance(model, Backend)
-                else Engine.load(model, **(engine_options or {}))
+                engine = built = _load_engine(model, engine_options or {})
+            # __init__ can refuse (a pin to a taken slot): what was opened here is closed.
+            return cls(
+                store=store,
+                engine=engine,
+                conversation_id=cid,
+                seq_id=seq_id,
+                summarizer=summarizer,
+                on_turn=on_turn,
+                owns_store=owns_store,
+                owns_engine=built is not None,
+                embedder=embedder,
             )
         except BaseException:
+            if built is not None:
+                built.close()
             if owns_store:
                 store.close()
             raise
-        return cls(
-            store=store,
-            engine=engine,
-            conversation_id=cid,
-            seq_id=seq_id,
-            summarizer=summarizer,
-            on_turn=on_turn,
-            owns_store=owns_store,
-            owns_engine=owns_engine,
-        )
 
     # lifecycle ----------------------------------------------------------------------------
 
@@ -304,11 +308,17 @@ class ChatSession(Closeable):
         """Recall by meaning (sentence embeddings) or by words (the store's BM25 index)."""
         store, cid = self.store, self.conversation_id
         mode = settings.recall_search
+        embedder = self._embedder
+        if settings.recall and mode != "words" and embedder is None:
+            embedder = self.engine.embedder()
         if settings.recall and mode == "auto":
-            mode = "meaning" if embedder_available() else "words"
+            mode = "meaning" if embedder is not None else "words"
         self._meaning = None
         if settings.recall and mode == "meaning":
-            embedder = shared_embedder()  # a missing model raises here, not mid-turn
+            if embedder is None:  # asked for by name: the local one, or its clear ModelError
+                from chatctx.engine._embedder import shared_embedder
+
+                embedder = shared_embedder()
             self._meaning = MeaningSearch(
                 lambda: store.messages(cid),
                 embedder.embed,
@@ -668,7 +678,7 @@ class ChatSession(Closeable):
         complete = result.stop_reason in ("eog", "length")
         kv = result.kv
         timings = _request_timings(result, plan, clock)
-        memory = memory_snapshot()
+        memory = self.engine.memory()
         cells = (
             None
             if self.engine.closed
@@ -715,9 +725,9 @@ class ChatSession(Closeable):
             summary_ms=plan.summary_ms if plan.evicted or plan.summary_changed else None,
             recall_tokens=plan.sections.get("recall"),
             recall_ms=plan.recall_ms,
-            rss_bytes=memory.rss_bytes,
-            gpu_used_bytes=memory.gpu_used_bytes,
-            gpu_free_bytes=memory.gpu_free_bytes,
+            rss_bytes=memory.rss_bytes if memory else None,
+            gpu_used_bytes=memory.gpu_used_bytes if memory else None,
+            gpu_free_bytes=memory.gpu_free_bytes if memory else None,
             slot=lease.seq_id,
             swap_in=lease.swap_in,
             swap_in_ms=lease.swap_in_ms,
@@ -752,6 +762,13 @@ class ChatSession(Closeable):
         if self.on_turn is not None:
             self.on_turn(turn)
         return reply
+
+
+def _load_engine(model: str | Path | None, options: Mapping[str, Any]) -> Backend:
+    # Imported here: a session on another backend never loads llama.cpp.
+    from chatctx.engine import Engine
+
+    return Engine.load(model, **options)
 
 
 def _stored(replies: list[Reply]) -> Reply:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
+from chatctx.backend import Codec, RenderedPrompt
 from chatctx.config import ContextSettings
 from chatctx.context._recall import (
     RECALL_HEADER,
@@ -27,7 +28,7 @@ from chatctx.context._recall import (
 )
 from chatctx.context._turns import group_turns, id_ranges
 from chatctx.context.summarizers import Summarizer
-from chatctx.errors import ContextBudgetError
+from chatctx.errors import ConfigError, ContextBudgetError
 from chatctx.store import Message
 
 logger = logging.getLogger("chatctx.context")
@@ -36,18 +37,6 @@ SUMMARY_HEADER = "Summary of the earlier conversation (older turns are not shown
 TRUNCATION_MARKER = "\n[... {n} characters removed to fit the context ...]\n"
 _ANCHOR = {"role": "system", "content": "."}
 MAX_PENDING = 2000
-
-
-class Codec(Protocol):
-    """What the builder needs from a model: its template and its exact tokenizer."""
-
-    fingerprint: str
-
-    def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
-    ) -> str: ...
-
-    def encode_prompt(self, text: str) -> list[int]: ...
 
 
 class TokenCache(Protocol):
@@ -170,11 +159,21 @@ class ContextBuilder:
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
     ) -> int:
         """Exact prompt tokens of ``messages`` rendered with the model's template."""
-        return len(
-            self.codec.encode_prompt(
-                self.codec.render(messages, add_generation_prompt=add_generation_prompt)
+        return len(self._encode(messages, add_generation_prompt=add_generation_prompt))
+
+    def _encode(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        rendered = self.codec.render(messages, add_generation_prompt=add_generation_prompt)
+        if not isinstance(rendered, RenderedPrompt):
+            # A plain string does not say where message content lies: a user's
+            # "<|eot_id|>" could become a control token and forge a turn.
+            raise ConfigError(
+                f"{type(self.codec).__name__}.render returned {type(rendered).__name__}, "
+                "not a RenderedPrompt: message content could not be kept out of control "
+                "tokens"
             )
-        )
+        return self.codec.encode_prompt(rendered)
 
     def message_tokens(self, messages: Sequence[Message]) -> list[int]:
         """Tokens each message adds to a prompt, cached by id and tokenizer fingerprint."""
@@ -340,7 +339,7 @@ class ContextBuilder:
         while True:
             recall_text = render_section([(m, t) for m, t, _ in recalled]) if recalled else None
             messages = assemble(sent_summary, turns, new, recall_text)
-            tokens = self.codec.encode_prompt(self.codec.render(messages))
+            tokens = self._encode(messages)
             # Per-message counts can differ from the whole prompt's by a merge at a boundary.
             if len(tokens) <= max(budget, total) or not recalled:
                 break

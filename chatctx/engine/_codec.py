@@ -21,8 +21,9 @@ from typing import Any
 
 import tiktoken
 
+from chatctx.backend import RenderedPrompt
 from chatctx.engine._gguf import read_metadata
-from chatctx.engine._template import ChatTemplate, RenderedPrompt, template_for
+from chatctx.engine._template import ChatTemplate, template_for
 
 logger = logging.getLogger("chatctx.codec")
 

@@ -221,6 +221,12 @@ class Embedder:
         self._stopping = threading.Event()
         self._worker: threading.Thread | None = None
 
+    @property
+    def fingerprint(self) -> str:
+        """Names the model (file name, size, vector size): stored vectors are keyed by it."""
+        size = self.path.stat().st_size if self.path.exists() else 0
+        return f"{self.path.name}-{size}-{self.dim}"
+
     def embed(self, texts: Sequence[str]) -> Vectors:
         """A (len(texts), dim) float32 array, each row of unit length (zero for empty text).
 
@@ -320,6 +326,11 @@ def _close_shared() -> None:
         for embedder in _SHARED.values():
             embedder.close()
         _SHARED.clear()
+
+
+def local_embedder() -> Embedder | None:
+    """The process's shared default embedder, or None when none is installed."""
+    return shared_embedder() if embedder_available() else None
 
 
 def shared_embedder(path: Path | None = None) -> Embedder:

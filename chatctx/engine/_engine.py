@@ -18,20 +18,28 @@ from pathlib import Path
 from typing import Any
 
 from chatctx._resource import Closeable
+from chatctx.backend import (
+    GenerationResult,
+    KVReport,
+    MemorySnapshot,
+    ModelInfo,
+    RenderedPrompt,
+    TextEmbedder,
+)
 from chatctx.config import EngineConfig, GenerationSettings, default_home
 from chatctx.engine import _gguf
 from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec
-from chatctx.engine._kv import KVReport
+from chatctx.engine._embedder import local_embedder
 from chatctx.engine._memory import kv_cells, pad256, summary_room_for
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._native import NativeContext, NativeModel, supports_gpu_offload
 from chatctx.engine._pool import KVSlots
-from chatctx.engine._results import GenerationResult, ModelInfo
 from chatctx.engine._scheduler import BatchCounters, Job, Scheduler
 from chatctx.engine._sequences import prepare
 from chatctx.engine._slots import PooledLeases
-from chatctx.engine._template import RenderedPrompt, template_for
+from chatctx.engine._template import template_for
 from chatctx.errors import ChatctxError, ClosedError, ConfigError, GenerationError, ModelError
+from chatctx.monitor._device import memory_snapshot
 
 logger = logging.getLogger("chatctx.engine")
 
@@ -367,6 +375,14 @@ class Engine(PooledLeases, Closeable):
         """Cells used by every sequence, read from llama.cpp."""
         with self._locked():
             return {seq: self.kv_cells(seq) for seq in range(self.config.n_seq_max)}
+
+    def memory(self) -> MemorySnapshot:
+        """This process's resident set and the GPU's memory (NVML): the engine lives here."""
+        return memory_snapshot()
+
+    def embedder(self) -> TextEmbedder | None:
+        """The local sentence embedder (all-MiniLM-L6-v2, on llama.cpp), when installed."""
+        return local_embedder()
 
     def clear(self, seq_id: int | None = None) -> None:
         """Forget one sequence (or all) in the KV cache; a running generation's is refused."""

@@ -19,6 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from chatctx.backend import KVReport
+
+__all__ = ["KVReport", "ReusePlan", "common_prefix", "plan_reuse"]
+
 MIN_CHUNK = 16  # smaller reusable spans are not worth a shift
 
 
@@ -137,16 +141,3 @@ def plan_reuse(
         chunks.append((at, at + length))
         here += length
     return ReusePlan(prefix=prefix, chunks=tuple(chunks), dest=dest)
-
-
-@dataclass(frozen=True, slots=True)
-class KVReport:
-    """What one prefill did to the KV cache of its sequence."""
-
-    policy: str  # shift | recompute
-    reused_tokens: int  # kept in place or shifted: not evaluated
-    evaluated_tokens: int
-    evicted_tokens: int  # removed from the cache (evicted turns and the old tail)
-    shifted_tokens: int
-    shift_count: int
-    fallback: str | None = None  # why a possible shift was not done

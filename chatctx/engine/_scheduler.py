@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatctx.backend import GenerationResult, KVReport, Timings, Usage
 from chatctx.config import GenerationSettings
-from chatctx.engine._kv import KVReport
 from chatctx.engine._native import NativeContext, NativeModel, Sampler
-from chatctx.engine._results import GenerationResult, Timings, Usage
 from chatctx.errors import ClosedError, ConfigError
 
 logger = logging.getLogger("chatctx.engine")

@@ -15,23 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from chatctx.backend import Lease
 from chatctx.engine._swap import SwapHit
 from chatctx.errors import ClosedError, ConfigError
 
 __all__ = ["Lease", "SlotPool"]
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """A slot leased for one turn of conversation ``owner``; give it back with ``release``."""
-
-    owner: str
-    seq_id: int
-    swap_in: str | None = None  # "ram" | "disk": the cache was restored from a swap
-    swap_in_ms: float | None = None
-    swap_in_bytes: int | None = None
-    reprefill_reason: str | None = None  # a saved state existed but could not be used
-    ticket: int = 0  # tells this lease from a later one of the same slot
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from chatctx.backend import RenderedPrompt
 from chatctx.errors import ModelError
 
 logger = logging.getLogger("chatctx.template")
@@ -27,28 +28,6 @@ logger = logging.getLogger("chatctx.template")
 # private-use text no template emits; the padding is whitespace that a template's ``trim``
 # removes, which tells whether the template trims content.
 _OPEN, _CLOSE, _PAD = "\ue000", "\ue001", "\u3000"
-
-
-class RenderedPrompt(str):
-    """Prompt text plus the (start, end) spans of message content in it, in order.
-
-    ``content_spans`` is None when the template transformed content beyond trimming, so
-    its place could not be found; the codec then neutralizes special-token text in content.
-    """
-
-    content_spans: tuple[tuple[int, int], ...] | None
-    contents: tuple[str, ...]
-
-    def __new__(
-        cls,
-        text: str,
-        spans: Sequence[tuple[int, int]] | None,
-        contents: Sequence[str] = (),
-    ) -> RenderedPrompt:
-        obj = super().__new__(cls, text)
-        obj.content_spans = None if spans is None else tuple(spans)
-        obj.contents = tuple(contents)
-        return obj
 
 
 # Meta's Llama 3 Instruct template, as shipped in the Llama 3 GGUFs.

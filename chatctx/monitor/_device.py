@@ -11,25 +11,14 @@ import logging
 import os
 import resource
 import threading
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from chatctx.backend import MemorySnapshot
 
 logger = logging.getLogger("chatctx.monitor")
 
 __all__ = ["MemorySnapshot", "gpu_memory", "memory_snapshot", "rss_bytes"]
-
-
-@dataclass(frozen=True, slots=True)
-class MemorySnapshot:
-    """Memory figures at one moment, in bytes (GPU ones None without NVML or a GPU)."""
-
-    rss_bytes: int
-    gpu_used_bytes: int | None
-    gpu_free_bytes: int | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def rss_bytes() -> int:

@@ -19,9 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from chatctx._resource import Closeable
+from chatctx.backend import (
+    Codec,
+    GenerationResult,
+    KVReport,
+    MemorySnapshot,
+    ModelInfo,
+    TextEmbedder,
+    Timings,
+    Usage,
+)
 from chatctx.config import GenerationSettings
-from chatctx.engine import GenerationResult, KVReport, ModelInfo, Timings, Usage, plan_reuse
-from chatctx.engine._codec import PromptCodec
+from chatctx.engine._embedder import local_embedder
+from chatctx.engine._kv import plan_reuse
 from chatctx.engine._memory import pad256
 from chatctx.engine._slots import PooledLeases, SlotPool
 from chatctx.engine._swap import SwapHit
@@ -86,7 +96,7 @@ class DryBackend(PooledLeases, Closeable):
 
     def __init__(
         self,
-        codec: PromptCodec,
+        codec: Codec,
         *,
         n_ctx: int,
         model_path: Path | None = None,
@@ -140,7 +150,7 @@ class DryBackend(PooledLeases, Closeable):
             n_vocab=facts.get("vocab_size") or 0,
             n_ctx=self._n_ctx,
             n_seq_max=self.slots + 1,
-            chat_template=self._codec.template.name,
+            chat_template=getattr(getattr(self._codec, "template", None), "name", "unknown"),
             gpu_offload=False,
             kv_bytes_per_token_f16=facts.get("kv_bytes_per_token_f16"),
             slots=self.slots,
@@ -148,7 +158,7 @@ class DryBackend(PooledLeases, Closeable):
             extra={"dry_run": True},
         )
 
-    def codec(self) -> PromptCodec:
+    def codec(self) -> Codec:
         return self._codec
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -171,6 +181,12 @@ class DryBackend(PooledLeases, Closeable):
     def kv_usage(self) -> dict[int, int]:
         with self._lock:
             return {seq: len(tokens) for seq, tokens in self._mirror.items()}
+
+    def memory(self) -> MemorySnapshot | None:
+        return None  # no model is loaded: there is nothing to measure
+
+    def embedder(self) -> TextEmbedder | None:
+        return local_embedder()
 
     def clear(self, seq_id: int | None = None) -> None:
         """Forget one sequence (or all)."""

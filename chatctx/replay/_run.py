@@ -18,10 +18,11 @@ from typing import Any, Literal
 from pydantic import Field
 
 from chatctx._resource import Closeable
+from chatctx.backend import Backend, Codec
 from chatctx.config import ContextSettings, GenerationSettings, _Model
 from chatctx.context import BackgroundSummarizer, ContextPlan, summary_limit
-from chatctx.engine import Engine, resolve_model_path
-from chatctx.engine._codec import PromptCodec, open_codec
+from chatctx.engine._codec import open_codec
+from chatctx.engine._models import resolve_model_path
 from chatctx.errors import ChatctxError, ConfigError, ModelError
 from chatctx.monitor import totals
 from chatctx.replay._dry import DryBackend
@@ -209,16 +210,16 @@ class Replayer(Closeable):
         config: ReplayConfig,
         *,
         model: str | Path | None = None,
-        engine: Engine | None = None,
-        codec: PromptCodec | None = None,
+        engine: Backend | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.config = config
         self.codec = codec
-        backend: Engine | DryBackend
+        backend: Backend
         if config.mode == "dry":
             if config.summarizer == "llm":
                 raise ConfigError("--dry-run loads no model, so it cannot use the llm summarizer")
-            path = engine.config.model_path if engine is not None else None
+            path = engine.info().path if engine is not None else None
             if self.codec is None:
                 if engine is not None:
                     self.codec = engine.codec()
@@ -243,6 +244,8 @@ class Replayer(Closeable):
                     < config.budget
                 ):
                     n_ctx += 64
+            from chatctx.engine import Engine  # a live run: llama.cpp in this process
+
             backend = Engine.load(model, n_ctx=n_ctx, n_seq_max=2)
             self._owns_backend = True
         else:
@@ -251,10 +254,12 @@ class Replayer(Closeable):
         self._backend = backend
 
     @staticmethod
-    def _dry_codec(path: Path) -> PromptCodec:
+    def _dry_codec(path: Path) -> Codec:
         try:
             return open_codec(path)
         except ModelError:  # a vocabulary tiktoken cannot mirror: ask llama.cpp (vocab only)
+            from chatctx.engine import Engine
+
             with Engine.load(path, n_ctx=256) as engine:
                 return engine.codec()
 

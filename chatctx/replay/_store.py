@@ -87,6 +87,23 @@ class ReplayStore(Store):
             self._history[conversation.id] = []
         return conversation
 
+    def get_or_create_conversation(
+        self,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> tuple[Conversation, bool]:
+        conversation, created = super().get_or_create_conversation(
+            conversation_id, title=title, system_prompt=system_prompt, settings=settings
+        )
+        with self._lock:
+            self._conversations[conversation.id] = conversation
+            if created:
+                self._history[conversation.id] = []
+        return conversation, created
+
     def update_conversation(
         self,
         conversation_id: str,
@@ -237,6 +254,15 @@ class ReplayStore(Store):
             values["id"] = self._next_ids(TurnRow, 1)
             self._pending_turns.append(values)
         return Turn(**values)
+
+    def record_reply(
+        self, conversation_id: str, reply: Mapping[str, Any] | None, **figures: Any
+    ) -> tuple[Message | None, Turn]:
+        # Both rows are held back and sent in the same transaction at the next flush.
+        with self._lock:
+            message = self.add_messages(conversation_id, [dict(reply)])[0] if reply else None
+            figures["assistant_message_id"] = message.id if message is not None else None
+            return message, self.add_turn(conversation_id, **figures)
 
     def _next_ids(self, table: type[MessageRow] | type[TurnRow], count: int) -> int:
         """The first of ``count`` new ids for ``table``'s rows.

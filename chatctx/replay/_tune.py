@@ -8,8 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from chatctx.engine import Engine
-from chatctx.engine._codec import PromptCodec
+from chatctx.backend import Codec
 from chatctx.replay._input import LoggedConversation
 from chatctx.replay._run import ReplayConfig, Replayer, replay_all, summarize
 
@@ -42,7 +41,7 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """One row of totals per combination; dry runs (tokenizer only) unless ``with_model``."""
     rows: list[dict[str, Any]] = []
-    codec: PromptCodec | None = None
+    codec: Codec | None = None
     for budget in budgets:
         for policy in policies:
             for eviction in evictions:
@@ -116,6 +115,8 @@ def sweep_ubatch(
             n_ctx = budget + config.reserve_tokens
             n_batch = max(512, n_ubatch)
             planned = plan_memory(shape, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch)
+            from chatctx.engine import Engine  # the ubatch sweep runs the model here
+
             with (
                 Engine.load(
                     path, n_ctx=n_ctx, n_seq_max=2, n_ubatch=n_ubatch, n_batch=n_batch
@@ -244,7 +245,6 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str = "chatctx tu
 __all__ = [
     "COLUMNS",
     "UBATCH_COLUMNS",
-    "Engine",
     "plot",
     "recommend",
     "sweep",

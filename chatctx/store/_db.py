@@ -10,7 +10,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.dialects import postgresql as postgresql_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -19,6 +21,7 @@ from chatctx.errors import ConversationNotFound, StoreError
 from chatctx.store import _migrate
 from chatctx.store._connect import _retry_busy, create_db_engine
 from chatctx.store._models import (
+    Base,
     ContextStateRow,
     ConversationRow,
     MessageRow,
@@ -81,6 +84,74 @@ def _conversation(row: ConversationRow, count: int = 0) -> Conversation:
 
 def _turn(row: TurnRow) -> Turn:
     return Turn(**{name: getattr(row, name) for name in Turn.__dataclass_fields__})
+
+
+def _insert_if_missing(
+    session: Session, table: type[Base], values: dict[str, Any], *, key: list[str]
+) -> bool:
+    """Insert a row unless one with the same ``key`` exists; True when this call inserted it.
+
+    SQLite and PostgreSQL do it in one statement (``ON CONFLICT DO NOTHING``), so two
+    writers racing on one key cannot fail; other databases try in a savepoint.
+    """
+    dialect = session.get_bind().dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        module = sqlite_dialect if dialect == "sqlite" else postgresql_dialect
+        statement = module.insert(table).values(**values).on_conflict_do_nothing(index_elements=key)
+        result = session.execute(statement)
+        return bool(getattr(result, "rowcount", 0) == 1)
+    try:
+        with session.begin_nested():
+            session.execute(insert(table).values(**values))
+    except IntegrityError:
+        return False
+    return True
+
+
+def _append(
+    session: Session, conversation_id: str, messages: Sequence[Mapping[str, Any]]
+) -> list[MessageRow]:
+    """Append messages at the conversation's next positions (inside a write transaction)."""
+    for message in messages:
+        if message["role"] not in ROLES:
+            raise StoreError(f"unknown role {message['role']!r}")
+    # The write lock (SQLite) or this row lock (other databases) serializes appends to one
+    # conversation, so the next position is read by one writer at a time.
+    conversation = session.get(ConversationRow, conversation_id, with_for_update=True)
+    if conversation is None:
+        raise ConversationNotFound(conversation_id)
+    last = session.scalar(
+        select(func.max(MessageRow.position)).where(MessageRow.conversation_id == conversation_id)
+    )
+    position = -1 if last is None else last
+    rows = []
+    for message in messages:
+        position += 1
+        row = MessageRow(
+            conversation_id=conversation_id,
+            position=position,
+            role=message["role"],
+            content=message["content"],
+            status=message.get("status") or "complete",
+            name=message.get("name"),
+            tool_call_id=message.get("tool_call_id"),
+            tool_calls=message.get("tool_calls"),
+        )
+        session.add(row)
+        rows.append(row)
+    conversation.updated_at = utcnow()
+    session.flush()
+    return rows
+
+
+def _add_turn(session: Session, conversation_id: str, figures: Mapping[str, Any]) -> TurnRow:
+    swap_in = figures.get("swap_in")
+    if swap_in not in (None, "ram", "disk"):
+        raise StoreError(f"swap_in must be 'ram', 'disk' or None, not {swap_in!r}")
+    row = TurnRow(conversation_id=conversation_id, **figures)
+    session.add(row)
+    session.flush()
+    return row
 
 
 class Store(Closeable):
@@ -164,6 +235,40 @@ class Store(Closeable):
             session.add(row)
             session.flush()
             return _conversation(row)
+
+    @_retry_busy
+    def get_or_create_conversation(
+        self,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> tuple[Conversation, bool]:
+        """The conversation with this id, created with these fields when there is none.
+
+        Returns (conversation, created). Idempotent under concurrency: when several threads
+        or processes open the same new id at once, exactly one creates it and the others get
+        it (an ``INSERT ... ON CONFLICT DO NOTHING``; a savepoint elsewhere), never an error.
+        """
+        with self._session(write=True) as session:
+            created = _insert_if_missing(
+                session,
+                ConversationRow,
+                {
+                    "id": conversation_id,
+                    "title": title,
+                    "system_prompt": system_prompt,
+                    "settings": settings or {},
+                    "created_at": utcnow(),
+                    "updated_at": utcnow(),
+                },
+                key=["id"],
+            )
+            row = session.get(ConversationRow, conversation_id, populate_existing=True)
+            if row is None:  # deleted between the insert and the read: rare, try again
+                raise StoreError(f"conversation {conversation_id!r} vanished while opened")
+            return _conversation(row), created
 
     def get_conversation(self, conversation_id: str) -> Conversation:
         with self._session() as session:
@@ -262,35 +367,7 @@ class Store(Closeable):
             if message["role"] not in ROLES:
                 raise StoreError(f"unknown role {message['role']!r}")
         with self._session(write=True) as session:
-            # The write lock (SQLite) or this row lock (other databases) serializes appends
-            # to one conversation, so the next position is read by one writer at a time.
-            conversation = session.get(ConversationRow, conversation_id, with_for_update=True)
-            if conversation is None:
-                raise ConversationNotFound(conversation_id)
-            last = session.scalar(
-                select(func.max(MessageRow.position)).where(
-                    MessageRow.conversation_id == conversation_id
-                )
-            )
-            position = -1 if last is None else last
-            rows = []
-            for message in messages:
-                position += 1
-                row = MessageRow(
-                    conversation_id=conversation_id,
-                    position=position,
-                    role=message["role"],
-                    content=message["content"],
-                    status=message.get("status") or "complete",
-                    name=message.get("name"),
-                    tool_call_id=message.get("tool_call_id"),
-                    tool_calls=message.get("tool_calls"),
-                )
-                session.add(row)
-                rows.append(row)
-            conversation.updated_at = utcnow()
-            session.flush()
-            return [_message(row) for row in rows]
+            return [_message(row) for row in _append(session, conversation_id, messages)]
 
     @_retry_busy
     def update_message(self, message_id: int, *, content: str, status: str) -> Message:
@@ -475,8 +552,6 @@ class Store(Closeable):
         the prompt was prefilled again; ``batch_max``, the most sequences decoded together
         in one step of the turn.
         """
-        if swap_in not in (None, "ram", "disk"):
-            raise StoreError(f"swap_in must be 'ram', 'disk' or None, not {swap_in!r}")
         pool = {
             "slot": slot,
             "swap_in": swap_in,
@@ -486,10 +561,28 @@ class Store(Closeable):
             "batch_max": batch_max,
         }
         with self._session(write=True) as session:
-            row = TurnRow(conversation_id=conversation_id, **pool, **figures)
-            session.add(row)
-            session.flush()
-            return _turn(row)
+            return _turn(_add_turn(session, conversation_id, {**pool, **figures}))
+
+    @_retry_busy
+    def record_reply(
+        self,
+        conversation_id: str,
+        reply: Mapping[str, Any] | None,
+        **figures: Any,
+    ) -> tuple[Message | None, Turn]:
+        """Store a turn's reply (an assistant message, or None) and its turn record at once.
+
+        One transaction: either both rows exist or neither, so no reply is ever stored
+        without its figures (or figures pointing at a reply that is not there). ``figures``
+        are ``add_turn``'s; ``assistant_message_id`` is filled in here.
+        """
+        with self._session(write=True) as session:
+            message = None
+            if reply is not None:
+                (message,) = _append(session, conversation_id, [dict(reply)])
+            figures["assistant_message_id"] = message.id if message is not None else None
+            turn = _add_turn(session, conversation_id, figures)
+            return (_message(message) if message is not None else None), _turn(turn)
 
     def turns(self, conversation_id: str) -> list[Turn]:
         with self._session() as session:
