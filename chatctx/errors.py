@@ -11,6 +11,7 @@
     ├── ContextBudgetError     the prompt cannot fit the token budget
     ├── KVCacheError           llama.cpp found no KV slot or rejected a KV operation
     ├── GenerationError        decoding failed or was aborted
+    ├── DeadlineExceeded       a wait or a piece of work ran past its time limit
     └── ClosedError            a closed engine, context or session was used
 
 Third-party errors are translated where they are raised (``engine/_native.py`` for llama.cpp,
@@ -25,6 +26,7 @@ __all__ = [
     "ConfigError",
     "ContextBudgetError",
     "ConversationNotFound",
+    "DeadlineExceeded",
     "GenerationError",
     "ImportFormatError",
     "KVCacheError",
@@ -96,6 +98,18 @@ class GenerationError(ChatctxError):
     def __init__(self, message: str, *, code: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class DeadlineExceeded(ChatctxError):
+    """A wait (for a slot) or a piece of work (a summary) ran past its time limit.
+
+    ``what`` says which; ``seconds`` is the limit that passed.
+    """
+
+    def __init__(self, message: str, *, what: str, seconds: float | None = None) -> None:
+        super().__init__(message)
+        self.what = what
+        self.seconds = seconds
 
 
 class ClosedError(ChatctxError):

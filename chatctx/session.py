@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from chatctx._resource import Closeable
+from chatctx._turn import TurnInFlight, turn_figures
 from chatctx.backend import Backend, GenerationResult, Lease, TextEmbedder, Timings, Usage
 from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.context import (
@@ -39,12 +40,15 @@ from chatctx.context import (
     summarizer_for,
     summary_limit,
 )
-from chatctx.errors import ClosedError, ConfigError
+from chatctx.errors import ChatctxError, ClosedError, ConfigError, DeadlineExceeded, StoreError
 from chatctx.store import Message, Store, Turn
 
 __all__ = ["ChatSession", "Reply"]
 
 logger = logging.getLogger("chatctx.session")
+
+LEASE_POLL_S = 0.5  # a turn waiting for a slot looks this often whether its session closed
+CLOSE_WAIT_S = 10.0  # close() waits this long for turns still being prepared
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,9 @@ class ChatSession(Closeable):
         self._turn_under_way = threading.Event()
         self._turn_under_way.set()
         self._builder_settings: ContextSettings | None = None
+        # Turns in flight (any thread): close() ends them before it closes anything.
+        self._turns: set[TurnInFlight] = set()
+        self._turns_changed = threading.Condition()
         self.last_reply: Reply | None = None
         self.last_build: BuildResult | None = None  # the context sent on the last turn
         self._closed = False
@@ -204,10 +211,39 @@ class ChatSession(Closeable):
     # lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release what the session opened; a reply still streaming ends first (``partial``)."""
-        if self._closed:
-            return
-        self._closed = True
+        """End the turns in flight, then release what the session opened.
+
+        A reply still streaming (in any thread) is stopped and stored as ``partial`` with its
+        turn record before this returns: the store holds every reply a client saw. Turns
+        still being prepared are refused before they store anything.
+        """
+        with self._turns_changed:
+            if self._closed:
+                return
+            self._closed = True
+            turns = list(self._turns)
+        for turn in turns:
+            with turn.lock:  # a user message being written, a generation being started
+                stream = turn.stream
+            if stream is not None:
+                stream.close()  # returns once the backend has let go of it
+        for turn in turns:
+            if turn.kind == "stream":
+                try:
+                    self._finish_turn(turn)
+                except ChatctxError:
+                    logger.exception("a reply of %s was not stored", self.conversation_id)
+                self._end_turn(turn)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        with self._turns_changed:
+            while self._turns and (left := deadline - time.monotonic()) > 0:
+                self._turns_changed.wait(left)
+            if self._turns:
+                logger.warning(
+                    "closing %s with %d turn(s) still being prepared",
+                    self.conversation_id,
+                    len(self._turns),
+                )
         self._stop_summary()
         if self._pinned and not self.engine.closed:
             self.engine.unpin(self.conversation_id)
@@ -431,7 +467,9 @@ class ChatSession(Closeable):
         try:
             for _ in generation:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"summary not done after {limit:.1f} s")
+                    raise DeadlineExceeded(
+                        f"summary not done after {limit:.1f} s", what="summary", seconds=limit
+                    )
         finally:
             generation.close()
         return generation.text
@@ -508,32 +546,63 @@ class ChatSession(Closeable):
 
     def _open_stream(self, text: str, replies: list[Reply] | None) -> Generator[str, None, None]:
         requested = time.perf_counter()
-        lease = self._lease_slot()
-        clock = (requested, time.perf_counter())
+        turn = self._begin_turn("stream")
         try:
+            self._lease_slot(turn)
+            clock = (requested, time.perf_counter())
             self._turn_under_way.clear()
             built, generation, context = self._prepare(text)
-            stream = self._stream(text, built, generation, context.eviction, clock, lease, replies)
+            stream = self._stream(turn, text, built, generation, context.eviction, clock, replies)
         except BaseException:
             self._turn_under_way.set()
-            self._release(lease)
+            self._end_turn(turn)
             raise
-        # A stream dropped before its first chunk never runs its cleanup: give the slot back.
-        weakref.finalize(stream, self._release, lease)
+        # A stream dropped before its first chunk never runs its cleanup: give the slot back
+        # and let a background summary waiting for this turn go on.
+        weakref.finalize(stream, self._abandon, turn)
         return stream
 
-    def _lease_slot(self) -> Lease:
-        self._check_open()
-        lease = self.engine.lease(self.conversation_id)
+    def _begin_turn(self, kind: str) -> TurnInFlight:
+        turn = TurnInFlight(kind)
+        with self._turns_changed:
+            self._check_open()
+            self._turns.add(turn)
+        return turn
+
+    def _lease_slot(self, turn: TurnInFlight) -> Lease:
+        while True:  # in steps, so that a session closed meanwhile stops waiting for a slot
+            self._check_open()
+            try:
+                lease = self.engine.lease(self.conversation_id, timeout=LEASE_POLL_S)
+            except DeadlineExceeded:
+                continue
+            break
+        turn.lease = lease
         self._lease = lease
         self.seq_id = lease.seq_id
+        if self._closed:  # closed while the lease was being handed over
+            raise ClosedError("chat session")
         return lease
 
-    def _release(self, lease: Lease) -> None:
-        if self._lease is lease:
-            self._lease = None
-        if not self.engine.closed:
-            self.engine.release(lease)
+    def _abandon(self, turn: TurnInFlight) -> None:
+        self._turn_under_way.set()
+        self._end_turn(turn)
+
+    def _end_turn(self, turn: TurnInFlight) -> None:
+        """Give the turn's slot back and forget the turn (once, whoever calls it)."""
+        with self._turns_changed:
+            if turn.released:
+                return
+            turn.released = True
+            self._turns.discard(turn)
+            self._turns_changed.notify_all()
+        turn.done.set()
+        lease = turn.lease
+        if lease is not None:
+            if self._lease is lease:
+                self._lease = None
+            if not self.engine.closed:
+                self.engine.release(lease)
 
     def record_turn(self, text: str, reply: str | Sequence[Mapping[str, Any]]) -> Reply:
         """A teacher-forced turn: fit and prefill the context, then store ``reply`` as given.
@@ -544,32 +613,37 @@ class ChatSession(Closeable):
         format: assistant tool calls, tool results, the final answer).
         """
         requested = time.perf_counter()
-        lease = self._lease_slot()
+        turn = self._begin_turn("record")
         try:
+            lease = self._lease_slot(turn)
             self._turn_under_way.clear()
-            return self._record_turn(text, reply, (requested, time.perf_counter()), lease)
+            return self._record_turn(turn, text, reply, (requested, time.perf_counter()), lease)
         finally:
             self._turn_under_way.set()
-            self._release(lease)
+            self._end_turn(turn)
 
     def _record_turn(
         self,
+        turn: TurnInFlight,
         text: str,
         reply: str | Sequence[Mapping[str, Any]],
         leased: tuple[float, float],
         lease: Lease,
     ) -> Reply:
         built, _, context = self._prepare(text)
-        built_at = time.perf_counter()
-        user = self.store.add_message(self.conversation_id, "user", text)
-        stored_at = time.perf_counter()
-        result = self.engine.generate(
-            built.tokens,
-            seq_id=lease.seq_id,
-            settings=GenerationSettings(max_tokens=1, temperature=0.0),
-            eviction=context.eviction,
-            history_start=built.plan.history_start,
-        ).wait(first_token_only=True)
+        with turn.lock:
+            self._check_open()
+            built_at = time.perf_counter()
+            user = self.store.add_message(self.conversation_id, "user", text)
+            stored_at = time.perf_counter()
+            turn.stream = self.engine.generate(
+                built.tokens,
+                seq_id=lease.seq_id,
+                settings=GenerationSettings(max_tokens=1, temperature=0.0),
+                eviction=context.eviction,
+                history_start=built.plan.history_start,
+            )
+        result = turn.stream.wait(first_token_only=True)
         self._turn_under_way.set()
         logged = (
             [{"role": "assistant", "content": reply}]
@@ -579,17 +653,16 @@ class ChatSession(Closeable):
         first_text = next((m["content"] for m in logged if m["role"] == "assistant"), "")
         clock = (*leased, built_at, stored_at)
         if logged and logged[0]["role"] == "assistant" and not logged[0].get("tool_calls"):
-            stored = self._finish(
+            stored = self._store_turn(
                 user, replace(result, text=logged[0]["content"]), built.plan, clock, lease
             )
             logged = logged[1:]
         else:  # the turn record points at no single assistant message
-            stored = self._finish(
+            stored = self._store_turn(
                 user, replace(result, text=""), built.plan, clock, lease, store_reply=False
             )
         if logged:
             self.store.add_messages(self.conversation_id, logged)
-        assert stored is not None
         if first_text != stored.text:
             stored = replace(stored, text=first_text)
             self.last_reply = stored
@@ -623,118 +696,131 @@ class ChatSession(Closeable):
 
     def _stream(
         self,
+        turn: TurnInFlight,
         text: str,
         built: BuildResult,
         settings: GenerationSettings,
         eviction: str,
         leased: tuple[float, float],
-        lease: Lease,
         replies: list[Reply] | None,
     ) -> Generator[str, None, None]:
         try:
-            built_at = time.perf_counter()
-            user = self.store.add_message(self.conversation_id, "user", text)
-            stored_at = time.perf_counter()
-            generation = self.engine.generate(
-                built.tokens,
-                seq_id=lease.seq_id,
-                settings=settings,
-                eviction=eviction,
-                history_start=built.plan.history_start,
-            )
+            with turn.lock:
+                self._check_open()  # closed before the first chunk was asked for
+                built_at = time.perf_counter()
+                turn.user = self.store.add_message(self.conversation_id, "user", text)
+                turn.clock = (*leased, built_at, time.perf_counter())
+                turn.plan = built.plan
+                turn.replies = replies
+                assert turn.lease is not None
+                stream = turn.stream = self.engine.generate(
+                    built.tokens,
+                    seq_id=turn.lease.seq_id,
+                    settings=settings,
+                    eviction=eviction,
+                    history_start=built.plan.history_start,
+                )
+            failure: BaseException | None = None
             try:
-                for chunk in generation:
+                for chunk in stream:
                     self._turn_under_way.set()  # the first token is out
                     yield chunk
+            except GeneratorExit:  # the reader let go: the reply so far is stored
+                raise
+            except BaseException as exc:
+                failure = exc
+                raise
             finally:
                 self._turn_under_way.set()
-                generation.close()
-                reply = self._finish(
-                    user, generation.result, built.plan, (*leased, built_at, stored_at), lease
-                )
-                if replies is not None and reply is not None:
-                    replies.append(reply)
+                stream.close()
+                self._finish_turn(turn, failure)
         finally:
-            self._release(lease)
+            self._end_turn(turn)
 
-    def _finish(
+    def _finish_turn(self, turn: TurnInFlight, failure: BaseException | None = None) -> None:
+        """Store what the turn generated with its record (once, whoever calls it).
+
+        When the generation itself failed (``failure``), that error is the one the caller
+        sees; a failure to store the reply too is logged with the text, never raised over it.
+        """
+        with turn.lock:
+            if turn.finished:
+                return
+            turn.finished = True
+            stream, user = turn.stream, turn.user
+            if stream is None or user is None or stream.result is None:
+                return  # nothing was generated: nothing to store
+            assert turn.plan is not None and turn.clock is not None and turn.lease is not None
+            try:
+                reply = self._store_turn(user, stream.result, turn.plan, turn.clock, turn.lease)
+            except ChatctxError:
+                if failure is None:
+                    raise
+                logger.exception("and the reply of %s could not be stored", self.conversation_id)
+                return
+            if turn.replies is not None:
+                turn.replies.append(reply)
+
+    def _store_turn(
         self,
         user: Message,
-        result: GenerationResult | None,
+        result: GenerationResult,
         plan: ContextPlan,
         clock: tuple[float, float, float, float],
         lease: Lease,
         *,
         store_reply: bool = True,
-    ) -> Reply | None:
-        """Store the reply and the turn's figures. ``clock``: perf_counter() stamps of the
-        request, of the slot being leased, of the context being built and of the user message
-        being stored."""
-        if result is None:  # interrupted before the engine started
-            return None
-        if self.store.closed:
-            logger.warning("reply of %s not stored: the store is closed", self.conversation_id)
-            return None
+    ) -> Reply:
+        """Store the reply and the turn's figures in one transaction. ``clock``:
+        perf_counter() stamps of the request, of the slot being leased, of the context being
+        built and of the user message being stored.
+
+        A failure logs the reply's text (nothing the client saw is lost without a trace) and
+        raises ``StoreError`` (``ClosedError`` for a closed store) chained to the cause.
+        """
         complete = result.stop_reason in ("eog", "length")
-        kv = result.kv
         timings = _request_timings(result, plan, clock)
-        memory = self.engine.memory()
         cells = (
             None
             if self.engine.closed
             else {str(seq): n for seq, n in self.engine.kv_usage().items()}
         )
-        assistant = None
+        figures = turn_figures(
+            result,
+            plan,
+            timings,
+            lease,
+            model=self.engine.model_name,
+            n_ctx=self.engine.n_ctx,
+            cells=cells,
+            memory=self.engine.memory(),
+        )
+        message = None
         if store_reply and (result.text or complete):
-            assistant = self.store.add_message(
-                self.conversation_id,
-                "assistant",
-                result.text,
-                status="complete" if complete else "partial",
+            message = {
+                "role": "assistant",
+                "content": result.text,
+                "status": "complete" if complete else "partial",
+            }
+        try:
+            if self.store.closed:
+                raise ClosedError("store")
+            assistant, turn = self.store.record_reply(
+                self.conversation_id, message, user_message_id=user.id, **figures
             )
+        except Exception as exc:
+            logger.error(
+                "reply of %s not stored (%s: %s); its text: %r",
+                self.conversation_id,
+                type(exc).__name__,
+                exc,
+                result.text,
+            )
+            if isinstance(exc, ChatctxError):
+                raise
+            raise StoreError(f"reply of {self.conversation_id} not stored: {exc}") from exc
         if self._meaning is not None:  # embedded now, searched once evicted
             self._meaning.warm([user.content, *([assistant.content] if assistant else [])])
-        turn = self.store.add_turn(
-            self.conversation_id,
-            user_message_id=user.id,
-            assistant_message_id=assistant.id if assistant else None,
-            model=self.engine.model_name,
-            seq_id=lease.seq_id,
-            n_ctx=self.engine.n_ctx,
-            prompt_tokens=result.usage.prompt_tokens,
-            reused_tokens=result.usage.reused_tokens,
-            evaluated_tokens=result.usage.evaluated_tokens,
-            generated_tokens=result.usage.generated_tokens,
-            prefill_ms=timings.prefill_ms,
-            ttft_ms=timings.ttft_ms,
-            decode_tokens_per_s=timings.decode_tokens_per_s,
-            total_ms=timings.total_ms,
-            build_ms=timings.build_ms,
-            store_ms=timings.store_ms,
-            engine_ttft_ms=timings.engine_ttft_ms,
-            stop_reason=result.stop_reason,
-            plan=plan.to_dict(),
-            new_tokens=plan.new_tokens,
-            evicted_tokens=kv.evicted_tokens if kv else None,
-            shifted_tokens=kv.shifted_tokens if kv else None,
-            shift_count=kv.shift_count if kv else None,
-            eviction_policy=kv.policy if kv else None,
-            kv_fallback=kv.fallback if kv else None,
-            cells_used=cells,
-            summary_tokens=plan.sections.get("summary"),
-            summary_ms=plan.summary_ms if plan.evicted or plan.summary_changed else None,
-            recall_tokens=plan.sections.get("recall"),
-            recall_ms=plan.recall_ms,
-            rss_bytes=memory.rss_bytes if memory else None,
-            gpu_used_bytes=memory.gpu_used_bytes if memory else None,
-            gpu_free_bytes=memory.gpu_free_bytes if memory else None,
-            slot=lease.seq_id,
-            swap_in=lease.swap_in,
-            swap_in_ms=lease.swap_in_ms,
-            swap_in_bytes=lease.swap_in_bytes,
-            reprefill_reason=lease.reprefill_reason,
-            batch_max=result.batch_max,
-        )
         reply = Reply(
             text=result.text,
             user_message_id=user.id,

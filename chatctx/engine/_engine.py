@@ -35,10 +35,17 @@ from chatctx.engine._models import resolve_model_path
 from chatctx.engine._native import NativeContext, NativeModel, supports_gpu_offload
 from chatctx.engine._pool import KVSlots
 from chatctx.engine._scheduler import BatchCounters, Job, Scheduler
-from chatctx.engine._sequences import prepare
+from chatctx.engine._sequences import Insert, prepare
 from chatctx.engine._slots import PooledLeases
 from chatctx.engine._template import template_for
-from chatctx.errors import ChatctxError, ClosedError, ConfigError, GenerationError, ModelError
+from chatctx.errors import (
+    ChatctxError,
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+    GenerationError,
+    ModelError,
+)
 from chatctx.monitor._device import memory_snapshot
 
 logger = logging.getLogger("chatctx.engine")
@@ -81,8 +88,10 @@ class Generation:
     def __next__(self) -> str:
         job = self._job
         if not self._started:
-            self._started = True
+            # Started only once the scheduler has it: a refused submit (engine closing,
+            # sequence busy) leaves nothing for close() to wait for.
             self._engine._submit(job)
+            self._started = True
         if self._ended:
             raise StopIteration
         item = job.out.get()
@@ -98,14 +107,17 @@ class Generation:
         raise StopIteration
 
     def close(self) -> None:
-        """Stop (stop reason ``interrupted``) and wait until the engine has let go of it."""
+        """Stop (stop reason ``interrupted``) and wait until the engine has let go of it.
+
+        From another thread, the reader still gets the text generated before the stop:
+        what a closed turn stores is what its client can read.
+        """
         job = self._job
         if not self._started:
             self._started = True
             self._ended = True
             return
         self._engine._scheduler.cancel(job)
-        self._ended = True
         self.result = job.result
 
     def wait(self, *, first_token_only: bool = False) -> GenerationResult:
@@ -190,6 +202,7 @@ class Engine(PooledLeases, Closeable):
             lock=self._lock,
             n_ctx=self._n_ctx,
             admit=self._admit,
+            released=self._released,
         )
         self.kv_slots = KVSlots(self, slot_table=config.slot_table or default_home() / "slots.json")
         self.pool = self.kv_slots.pool
@@ -401,11 +414,11 @@ class Engine(PooledLeases, Closeable):
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         # The scheduler steps back between decodes while another thread waits for the lock.
-        self._scheduler.waiting += 1
+        self._scheduler.wait_for_lock(+1)
         try:
             self._lock.acquire()
         finally:
-            self._scheduler.waiting -= 1
+            self._scheduler.wait_for_lock(-1)
         try:
             yield
         finally:
@@ -444,9 +457,10 @@ class Engine(PooledLeases, Closeable):
 
         One side generation runs at a time; the spare sequence is emptied afterwards. In the
         background it joins the scheduler's steps only while no customer's prompt is being
-        evaluated, in small chunks. ``deadline`` (``time.monotonic()``) raises
-        ``TimeoutError`` once passed; ``cancel_side(cancel)`` stops it at the next step, in
-        its prefill too, with ``GenerationError``.
+        evaluated, in small chunks. ``deadline`` (``time.monotonic()``) is kept by the
+        scheduler, also while the generation steps aside: once passed it stops with
+        ``DeadlineExceeded``; ``cancel_side(cancel)`` stops it at the next step, in its prefill
+        too, with ``GenerationError``.
         """
         spare = self.spare_seq
         if spare is None:
@@ -460,21 +474,35 @@ class Engine(PooledLeases, Closeable):
         if settings.max_tokens > room:
             settings = settings.model_copy(update={"max_tokens": room})
         with self._side:
-            with self._locked():
-                self._check_open()
-                self._spare_busy = True
+            while True:  # a changed summary's insert may hold the spare for a few steps
+                with self._locked():
+                    self._check_open()
+                    if not self._spare_busy:
+                        self._spare_busy = True
+                        break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        "side generation not started before its deadline", what="summary"
+                    )
+                time.sleep(0.005)
             try:
                 generation = self._generation(
                     prompt, spare, settings, "recompute", None, background
                 )
+                generation._job.deadline = deadline
                 # Registered before the check: a cancel_side either sees it or was seen.
                 self._side_running = (cancel, generation)
                 try:
                     if cancel is not None and cancel.is_set():
                         raise GenerationError("side generation cancelled")
                     for _ in generation:
-                        if deadline is not None and time.monotonic() > deadline:
-                            raise TimeoutError("side generation not done before its deadline")
+                        pass
+                    if generation.result is not None and generation.result.stop_reason == (
+                        "timeout"
+                    ):
+                        raise DeadlineExceeded(
+                            "side generation not done before its deadline", what="summary"
+                        )
                     if cancel is not None and cancel.is_set():
                         raise GenerationError("side generation cancelled")
                 finally:
@@ -569,11 +597,11 @@ class Engine(PooledLeases, Closeable):
             self._check_open()
             self._scheduler.submit(job)
 
-    def _admit(self, job: Job) -> tuple[KVReport, int]:
+    def _admit(self, job: Job) -> tuple[KVReport, int, Insert | None]:
         """Bring the job's sequence to a prefix of its prompt (in the scheduler's step)."""
         self._check_seq(job.seq_id)
         spare = self.spare_seq
-        return prepare(
+        admitted = prepare(
             self.context,
             self._mirror[job.seq_id],
             job.seq_id,
@@ -584,3 +612,10 @@ class Engine(PooledLeases, Closeable):
             spare_free=not self._spare_busy and spare != job.seq_id,
             unified=self.config.kv_unified,
         )
+        if admitted[2] is not None:
+            self._spare_busy = True  # the kept turns are parked there until the insert ends
+        return admitted
+
+    def _released(self, job: Job) -> None:
+        # An insert ended (done, cancelled or failed): the spare sequence is free again.
+        self._spare_busy = False

@@ -1,9 +1,21 @@
 """Continuous batching: one thread owns the llama.cpp context and advances every generation.
 
-Each step is one ``llama_decode``: one token for every generation that is streaming, plus a
-chunk of a new turn's prompt, so a long prefill stalls running streams for one chunk at most.
-After the decode each generation samples from its own row of logits with its own sampler
-chain; text goes to the generation's queue, which its reader drains from any thread.
+Each step decodes one token of every generation that is streaming (one ``llama_decode``),
+then at most one chunk of one prompt being evaluated (its own ``llama_decode``), so a long
+prefill, a changed summary inserted in front of kept turns included, stalls running streams
+for one chunk at most. After a decode each generation samples from its own row of logits
+with its own sampler chain; text goes to the generation's queue, which its reader drains
+from any thread.
+
+A reply must not depend on who else is being served. llama.cpp's logits depend on how a
+prompt is cut into batches (a 300-token prompt as one batch or as 256 + 44 differs by up to
+0.5 in a logit on this CPU build) and on the other sequences' tokens in the same batch (a
+prompt chunk beside another sequence's chunk: 0.55), while the streaming tokens of several
+sequences decoded together are bitwise equal to each one decoded alone (split KV cache). So
+chunk boundaries are a function of the sequence's own positions only (multiples of
+``PREFILL_CHUNK``, or ``BACKGROUND_CHUNK`` for background work), every chunk is decoded with
+no other sequence's tokens, and streaming tokens go together (bench/README.md, "A reply
+does not depend on load").
 
 Summaries and other background generations step aside: they join a step only while no
 customer's prompt is being evaluated, and their prompts go in small chunks.
@@ -23,11 +35,12 @@ from typing import Any
 from chatctx.backend import GenerationResult, KVReport, Timings, Usage
 from chatctx.config import GenerationSettings
 from chatctx.engine._native import NativeContext, NativeModel, Sampler
+from chatctx.engine._sequences import Insert
 from chatctx.errors import ClosedError, ConfigError
 
 logger = logging.getLogger("chatctx.engine")
 
-PREFILL_CHUNK = 256  # prompt tokens per step while other generations stream
+PREFILL_CHUNK = 256  # prompt chunk boundaries: multiples of this many positions
 BACKGROUND_CHUNK = 32  # prompt tokens per step of a background generation
 LOOKAHEAD = 4  # chunks a generation may run ahead of its reader before it waits
 
@@ -54,6 +67,10 @@ class Job:
     stop: str | None = None
     error: BaseException | None = None
     report: KVReport | None = None
+    insert: Insert | None = None  # tokens to evaluate in front of parked turns, first
+    evaluated: int = 0  # prompt tokens actually decoded (what llama.cpp evaluated)
+    deadline: float | None = None  # time.monotonic(): stopped with "timeout" once passed
+    waited: int = 0  # steps since this prefill last had a chunk (round robin)
     sampler: Sampler | None = None
     batch_max: int = 0  # most sequences decoded together in one step with this one
     prefill_chunks: list[int] = field(default_factory=list)  # prompt tokens per step
@@ -84,7 +101,8 @@ class Scheduler:
 
     ``lock`` is the engine's lock; the scheduler holds it for one step at a time.
     ``admit(job)`` brings a new job's sequence to a prefix of its prompt (KV reuse) and
-    returns the report and where evaluation resumes.
+    returns the report, where evaluation resumes and what to insert first; ``released(job)``
+    is called once a job that had an insert ended (the spare sequence is free again).
     """
 
     def __init__(
@@ -95,20 +113,32 @@ class Scheduler:
         *,
         lock: threading.RLock,
         n_ctx: int,
-        admit: Callable[[Job], tuple[KVReport, int]],
+        admit: Callable[[Job], tuple[KVReport, int, Insert | None]],
+        released: Callable[[Job], None] = lambda job: None,
     ) -> None:
         self.context = context
         self.model = model
         self.mirrors = mirrors
         self.n_ctx = n_ctx
         self._admit = admit
+        self._released = released
         self._lock = lock
         self._work = threading.Condition(lock)
         self._jobs: list[Job] = []
         self._closing = False
         self._thread: threading.Thread | None = None
-        self.waiting = 0  # threads waiting for the engine lock: the scheduler gives way
+        self._waiting = 0  # threads waiting for the engine lock: the scheduler gives way
+        self._waiting_lock = threading.Lock()
         self.counters = BatchCounters()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def wait_for_lock(self, delta: int) -> None:
+        """A thread starts (+1) or stops (-1) waiting for the engine lock."""
+        with self._waiting_lock:
+            self._waiting += delta
 
     # submitting ---------------------------------------------------------------------------
 
@@ -179,25 +209,31 @@ class Scheduler:
         return any(self._may_run(job) for job in self._jobs)
 
     def _may_run(self, job: Job) -> bool:
-        if job.cancelled or job.state in ("new", "prefill"):
+        if job.cancelled or job.state in ("new", "insert", "prefill"):
+            return True
+        if job.deadline is not None and time.monotonic() > job.deadline:
             return True
         return job.out.qsize() < LOOKAHEAD
 
     def _step(self) -> None:
+        now = time.monotonic()
+        for job in [j for j in self._jobs if j.deadline is not None and now > j.deadline]:
+            self._finish(job, "timeout")
         for job in [j for j in self._jobs if j.cancelled]:
             self._finish(job, "interrupted")
         for job in [j for j in self._jobs if j.state == "new"]:
             try:
-                job.report, resume = self._admit(job)
+                job.report, resume, job.insert = self._admit(job)
             except BaseException as exc:
                 self._fail(job, exc)
                 continue
-            job.todo = job.prompt[resume:]
-            job.pos = resume
-            job.state = "prefill"
-        foreground_prefill = any(j.state == "prefill" and not j.background for j in self._jobs)
-        parts: list[tuple[Job, list[int], bool]] = []
-        used = 0
+            if job.insert is not None:
+                job.todo, job.pos, job.state = list(job.insert.tokens), job.insert.start, "insert"
+            else:
+                job.todo, job.pos, job.state = job.prompt[resume:], resume, "prefill"
+        evaluating = [j for j in self._jobs if j.state in ("insert", "prefill")]
+        foreground_prefill = any(not j.background for j in evaluating)
+        streams: list[tuple[Job, list[int], bool]] = []
         for job in list(self._jobs):  # _finish removes from the list
             if job.state != "decode" or not self._may_run(job):
                 continue
@@ -207,26 +243,33 @@ class Scheduler:
                 self._finish(job, "context_full")
                 continue
             assert job.pending is not None
-            parts.append((job, [job.pending], True))
-            used += 1
-        limit = self.context.n_batch - used
-        if parts:
-            limit = min(limit, PREFILL_CHUNK)
-        for job in sorted(
-            (j for j in self._jobs if j.state == "prefill"), key=lambda j: j.background
-        ):
-            if limit <= 0:
-                break
-            if job.background and foreground_prefill:
-                continue
-            n = min(limit, BACKGROUND_CHUNK if job.background else limit, len(job.todo))
-            chunk = job.todo[:n]
-            parts.append((job, chunk, n == len(job.todo)))
-            limit -= n
-        if parts:
-            self._decode(parts)
+            streams.append((job, [job.pending], True))
+        if streams:
+            self._decode(streams)
+        chosen = self._next_prefill(evaluating, foreground_prefill)
+        if chosen is not None and chosen.state != "done":
+            step = min(
+                BACKGROUND_CHUNK if chosen.background else PREFILL_CHUNK, self.context.n_batch
+            )
+            end = min((chosen.pos // step + 1) * step, chosen.pos + len(chosen.todo))
+            chunk = chosen.todo[: end - chosen.pos]
+            last = chosen.state == "prefill" and len(chunk) == len(chosen.todo)
+            self._decode([(chosen, chunk, last)], company=len(streams))
 
-    def _decode(self, parts: list[tuple[Job, list[int], bool]]) -> None:
+    @staticmethod
+    def _next_prefill(evaluating: list[Job], foreground_prefill: bool) -> Job | None:
+        """The prompt that gets this step's chunk: customers before background work, then
+        whoever waited longest."""
+        candidates = [j for j in evaluating if not (j.background and foreground_prefill)]
+        for job in evaluating:
+            job.waited += 1
+        if not candidates:
+            return None
+        job = max(candidates, key=lambda j: (not j.background, j.waited))
+        job.waited = 0
+        return job
+
+    def _decode(self, parts: list[tuple[Job, list[int], bool]], *, company: int = 0) -> None:
         try:
             indices = self.context.decode_many(
                 [(job.seq_id, tokens, job.pos, logits) for job, tokens, logits in parts]
@@ -245,22 +288,41 @@ class Scheduler:
         counters = self.counters
         counters.steps += 1
         counters.tokens += sum(len(tokens) for _, tokens, _ in parts)
+        width = len(parts) + company  # sequences advanced in this step
         counters.sequences += len(parts)
-        counters.max_sequences = max(counters.max_sequences, len(parts))
+        counters.max_sequences = max(counters.max_sequences, width)
         now = time.perf_counter()
         for (job, tokens, _), index in zip(parts, indices, strict=True):
             self.mirrors[job.seq_id].extend(tokens)
             job.pos += len(tokens)
-            job.batch_max = max(job.batch_max, len(parts))
-            if job.state == "prefill":
+            job.batch_max = max(job.batch_max, width)
+            if job.state in ("insert", "prefill"):
+                job.evaluated += len(tokens)
                 job.prefill_chunks.append(len(tokens))
                 del job.todo[: len(tokens)]
                 if job.todo:
+                    continue
+                if job.state == "insert":
+                    self._end_insert(job)
                     continue
                 job.t_prefilled = now
             else:
                 job.pending = None
             self._sample(job, index)
+
+    def _end_insert(self, job: Job) -> None:
+        # The inserted tokens are in: the parked turns come back behind them, and the rest
+        # of the prompt (never empty) is evaluated from where they end.
+        insert = job.insert
+        assert insert is not None
+        try:
+            insert.finish()
+        except Exception as exc:
+            self._fail(job, exc)
+            return
+        finally:
+            self._released(job)
+        job.todo, job.pos, job.state = job.prompt[insert.resume :], insert.resume, "prefill"
 
     def _sample(self, job: Job, index: int) -> None:
         if job.sampler is None:
@@ -320,6 +382,11 @@ class Scheduler:
         if job.sampler is not None:
             job.sampler.close()
             job.sampler = None
+        if job.insert is not None and not job.insert.done:
+            try:
+                job.insert.abort()
+            finally:
+                self._released(job)
         job.stop = stop
         job.state = "done"
         if job in self._jobs:
@@ -337,6 +404,13 @@ def _result(job: Job) -> GenerationResult:
     decode_s = t_end - first if first is not None else 0.0
     report = job.report
     reused = report.reused_tokens if report else 0
+    if (
+        job.insert is not None
+        and job.state == "done"
+        and job.insert.tokens
+        and job.pos < (job.insert.start + len(job.insert.tokens))
+    ):
+        reused -= len(job.insert.kept)  # the parked turns were dropped, never used
     n = len(job.tokens)
     return GenerationResult(
         text=job.text,
@@ -344,7 +418,7 @@ def _result(job: Job) -> GenerationResult:
         usage=Usage(
             prompt_tokens=len(job.prompt),
             reused_tokens=reused,
-            evaluated_tokens=len(job.prompt) - reused if report else 0,
+            evaluated_tokens=job.evaluated,
             generated_tokens=n,
         ),
         timings=Timings(

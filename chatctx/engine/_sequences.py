@@ -7,6 +7,7 @@ the engine's mirror of the sequence exact.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from chatctx.engine._kv import KVReport, plan_reuse
 from chatctx.engine._native import NativeContext
@@ -25,12 +26,13 @@ def prepare(
     spare: int | None,
     spare_free: bool,
     unified: bool,
-) -> tuple[KVReport, int]:
+) -> tuple[KVReport, int, Insert | None]:
     """Bring the KV cache of ``seq_id`` (mirrored by ``mirror``) to a prefix of ``prompt``.
 
-    Removes, shifts and parks what the plan says; returns (report, resume): the caller
-    evaluates ``prompt[resume:]`` (never empty: the last token's logits pick the reply's first
-    token) at positions ``resume...``, in one batch or in chunks. ``spare`` is the sequence used
+    Removes, shifts and parks what the plan says; returns (report, resume, insert): the
+    caller evaluates ``insert.tokens`` first when there is an insert (then
+    ``insert.finish()``), then ``prompt[resume:]`` (never empty: the last token's logits pick
+    the reply's first token) at positions ``resume...``, in chunks. ``spare`` is the sequence used
     to park kept turns while inserted tokens (a changed summary) are evaluated in front of
     them; that needs a unified cache and a free spare, else the turns are re-evaluated.
     """
@@ -59,7 +61,8 @@ def prepare(
             shift_count=0,
             fallback=fallback,
         )
-        return report, reused
+        return report, reused, None
+    insert: Insert | None = None
     moves = plan.moves()
     kept = [t for start, end, _ in moves for t in mirror[start:end]]
     evicted = len(mirror) - plan.prefix - plan.chunk_len
@@ -71,21 +74,26 @@ def prepare(
         mirror[:] = mirror[: plan.prefix] + kept
     else:
         # llama.cpp only appends at pos_max + 1: park the kept turns on the spare
-        # sequence, evaluate the inserted tokens, then move the turns back behind them.
+        # sequence; the scheduler evaluates the inserted tokens in chunks, then the turns
+        # move back behind them (Insert.finish).
         assert spare is not None
         ctx.seq_rm(spare, 0, -1)
         for start, end, _ in moves:
             ctx.seq_cp(seq_id, spare, start, end)
         ctx.seq_rm(seq_id, plan.prefix, -1)
         del mirror[plan.prefix :]
-        try:
-            ctx.decode(seq_id, prompt[plan.prefix : plan.dest], plan.prefix, want_last_logits=False)
-            mirror.extend(prompt[plan.prefix : plan.dest])
-            _shift(ctx, spare, moves)
-            ctx.seq_cp(spare, seq_id, plan.dest, plan.resume)
-            mirror.extend(kept)
-        finally:
-            ctx.seq_rm(spare, 0, -1)
+        insert = Insert(
+            ctx=ctx,
+            mirror=mirror,
+            seq_id=seq_id,
+            spare=spare,
+            start=plan.prefix,
+            tokens=prompt[plan.prefix : plan.dest],
+            moves=moves,
+            kept=kept,
+            dest=plan.dest,
+            resume=plan.resume,
+        )
     shifted = [(end - start, delta) for start, end, delta in moves if delta]
     report = KVReport(
         policy=eviction,
@@ -103,7 +111,44 @@ def prepare(
         shifted,
         report.evaluated_tokens,
     )
-    return report, plan.resume
+    return report, plan.resume, insert
+
+
+@dataclass(eq=False)
+class Insert:
+    """New tokens (a changed summary) to evaluate in front of kept turns parked on the spare.
+
+    The scheduler decodes ``tokens`` at ``start...`` in chunks on ``seq_id`` (extending
+    ``mirror`` as it goes), then calls ``finish()``: the parked turns move to their place
+    behind them and come back. ``abort()`` (a cancelled or failed turn) drops them: the
+    sequence keeps what was evaluated so far and the next turn evaluates the rest.
+    """
+
+    ctx: NativeContext
+    mirror: list[int]
+    seq_id: int
+    spare: int
+    start: int
+    tokens: list[int]
+    moves: list[tuple[int, int, int]]
+    kept: list[int]
+    dest: int
+    resume: int
+    done: bool = False
+
+    def finish(self) -> None:
+        try:
+            _shift(self.ctx, self.spare, self.moves)
+            self.ctx.seq_cp(self.spare, self.seq_id, self.dest, self.resume)
+            self.mirror.extend(self.kept)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            if not self.ctx.closed:
+                self.ctx.seq_rm(self.spare, 0, -1)
 
 
 def _gaps(prefix: int, moves: list[tuple[int, int, int]]) -> list[tuple[int, int]]:

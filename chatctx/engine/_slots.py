@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 from chatctx.backend import Lease
 from chatctx.engine._swap import SwapHit
-from chatctx.errors import ClosedError, ConfigError
+from chatctx.errors import ClosedError, ConfigError, DeadlineExceeded
 
 __all__ = ["Lease", "SlotPool"]
 
@@ -68,7 +68,7 @@ class SlotPool:
         """A slot for ``owner``'s turn: its own if still there, else a free or LRU idle one.
 
         Waits while every slot is leased (or ``owner`` has a turn in flight); ``timeout``
-        seconds at most, then ``TimeoutError``.
+        seconds at most, then ``DeadlineExceeded``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -115,7 +115,11 @@ class SlotPool:
                         )
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"no slot free for conversation {owner!r}")
+                    raise DeadlineExceeded(
+                        f"no slot free for conversation {owner!r} within {timeout} s",
+                        what="slot",
+                        seconds=timeout,
+                    )
                 self._cv.wait(left)
 
     def pin(self, owner: str, seq_id: int) -> None:

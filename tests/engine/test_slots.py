@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import itertools
 import threading
 from pathlib import Path
 from typing import Any
@@ -337,15 +338,17 @@ def test_a_long_prefill_does_not_stall_running_streams(tiny_llama3_path: Path) -
         newcomer.wait()
         running.close()
         waiter.join()
-        prefill: list[dict[int, int]] = []  # the calls that evaluated the long prompt
-        for call in (c for c in calls if 1 in c):
-            if sum(c[1] for c in prefill) < len(long_prompt):
-                prefill.append(call)
-        # In steps of at most one chunk, beside the running stream's tokens (alone, it
-        # would have been one decode of 769).
-        assert sum(c[1] for c in prefill) == len(long_prompt) and len(prefill) >= 3
-        assert max(c[1] for c in prefill) <= PREFILL_CHUNK
-        assert any(c.get(0) == 1 for c in prefill)  # shared a decode with the stream
+        # The calls that evaluated the long prompt, and where each lies among all calls.
+        prefill = [(i, c[1]) for i, c in enumerate(calls) if 1 in c][: 3 + 1]
+        sizes = [n for _, n in prefill]
+        # In chunks ending at multiples of PREFILL_CHUNK (the first 768 tokens from position
+        # 0, then the last one), each decoded alone: a prompt chunk's logits depend on the
+        # tokens decoded beside it, and a reply must not depend on load.
+        assert sizes == [PREFILL_CHUNK, PREFILL_CHUNK, PREFILL_CHUNK, 1]
+        assert all(len(calls[i]) == 1 for i, _ in prefill)
+        # The stream went on between the chunks: one token per step, never stalled longer.
+        for (a, _), (b, _) in itertools.pairwise(prefill):
+            assert [calls[k] for k in range(a + 1, b)] == [{0: 1}]
         assert newcomer.result is not None and newcomer.result.batch_max == 2
 
 
