@@ -392,9 +392,16 @@ class ChatSession(Closeable):
     def plan(self, new_message: str) -> BuildResult:
         """Build the context for ``new_message`` without sending or storing anything.
 
-        Note: when the plan evicts turns, summarizing runs here too (its result is not kept).
+        A summary finished in the background shows in the plan and is still taken by the
+        next turn; none is started. An inline summarizer (extractive, a callable) runs here
+        too when the plan evicts turns, and its result is not kept.
         """
-        return self._build(new_message)[0]
+        self.builder()  # made now, so that a background summarizer is there to peek at
+        background = self._background
+        if background is None:
+            return self._build(new_message)[0]
+        with background.peeking():
+            return self._build(new_message)[0]
 
     def _build(self, new_message: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
         """The context for ``new_message``, with the settings it was built under (one read)."""

@@ -20,11 +20,13 @@ from chatctx.cli._common import (
     print_json,
     resolve_db,
 )
-from chatctx.errors import ConfigError
+from chatctx.errors import ConfigError, StoreError
 from chatctx.monitor import (
     SlotTable,
     SwapTotals,
     default_slots_path,
+    engines_dir,
+    live_slot_tables,
     prometheus_text,
     read_slot_table,
     swap_totals,
@@ -56,7 +58,8 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
     "--slots-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Slot table the engine writes (default: CHATCTX_HOME/slots.json); implies --slots.",
+    help="Read this slot table file instead of every live engine's under "
+    "CHATCTX_HOME/engines; implies --slots.",
 )
 @handle_errors
 def stats(
@@ -74,12 +77,20 @@ def stats(
     swap and batching counters) and, from the stored turns (all, or the named conversation's),
     how many started from a swap-in or a re-prefill.
     """
-    slot_table: SlotTable | None = None
-    path = slots_file or default_slots_path()
-    if slots or slots_file is not None:
-        slot_table = read_slot_table(path)
+    tables: list[tuple[Path, SlotTable]] | None = None
+    if slots_file is not None:
+        tables = [(slots_file, read_slot_table(slots_file))]
+    elif slots:
+        tables = live_slot_tables()
+        if not tables and default_slots_path().is_file():  # the older, one-engine layout
+            tables = [(default_slots_path(), read_slot_table(default_slots_path()))]
+        if not tables:
+            raise StoreError(
+                f"no running engine has written a slot table under {engines_dir()} "
+                f"(nor is there {default_slots_path()})"
+            )
     with Store(resolve_db(db)) as store:
-        if prometheus or slot_table is not None:
+        if prometheus or tables is not None:
             ids = (
                 [conversation_id] if conversation_id else [c.id for c in store.list_conversations()]
             )
@@ -87,12 +98,31 @@ def stats(
                 store.get_conversation(cid)
             by_conversation = {cid: store.turns(cid) for cid in ids}
             if prometheus:
-                text = prometheus_text(by_conversation, slot_table=slot_table)
+                if tables is not None and len(tables) > 1:
+                    text = prometheus_text(by_conversation, slot_tables=[t for _, t in tables])
+                else:
+                    text = prometheus_text(
+                        by_conversation, slot_table=tables[0][1] if tables else None
+                    )
                 click.echo(text, nl=False)
                 return
-            assert slot_table is not None
-            all_turns = [t for turns in by_conversation.values() for t in turns]
-            _show_slots(slot_table, path, swap_totals(all_turns), conversation_id, as_json)
+            assert tables is not None
+            all_turns = swap_totals([t for turns in by_conversation.values() for t in turns])
+            if slots_file is not None:  # one named file: its report as it always was
+                _show_slots(tables[0][1], slots_file, all_turns, conversation_id, as_json)
+                return
+            if as_json:  # every live engine: a list, however many there are
+                print_json(
+                    {
+                        "engines": [
+                            _slots_report(table, path, all_turns, conversation_id)
+                            for path, table in tables
+                        ]
+                    }
+                )
+                return
+            for path, slot_table in tables:
+                _show_slots(slot_table, path, all_turns, conversation_id, False)
             return
         if conversation_id is None:
             raise ConfigError("name a conversation (or use --prometheus or --slots for all)")

@@ -9,10 +9,11 @@ progress (a ``fold`` method, as ``LLMSummarizer`` has) are run this way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from chatctx.store import Message
@@ -57,6 +58,17 @@ class BackgroundSummarizer:
         self._lock = threading.Lock()
         self._job: _Job | None = None
         self.last_job_seconds: float | None = None
+        self._peeking = threading.local()  # set by peeking(): look, take and start nothing
+
+    @contextlib.contextmanager
+    def peeking(self) -> Iterator[None]:
+        """In this block (this thread), ``fold`` shows a finished result without taking it
+        and starts nothing: what ``ChatSession.plan`` needs to show a turn and change none."""
+        self._peeking.on = True
+        try:
+            yield
+        finally:
+            self._peeking.on = False
 
     def __call__(self, previous: str | None, messages: Sequence[Message]) -> str:
         text, _, _ = self._fold(
@@ -86,8 +98,16 @@ class BackgroundSummarizer:
         clock: Callable[[], float] | None = None,
     ) -> tuple[str | None, list[int], str | None]:
         asked = {m.id for m in messages}
+        peek = getattr(self._peeking, "on", False)
         with self._lock:
             job = self._job
+            if peek:
+                if job is not None and job.done.is_set() and job.error is None:
+                    result = job.result
+                    if result is not None and job.base == previous:
+                        text, covered, stopped = result
+                        return text, [i for i in covered if i in asked], stopped
+                return previous, [], RUNNING
             if job is not None and job.done.is_set():
                 self._job = None
                 self.last_job_seconds = job.seconds

@@ -26,7 +26,7 @@ from chatctx.backend import (
     RenderedPrompt,
     TextEmbedder,
 )
-from chatctx.config import EngineConfig, GenerationSettings, default_home
+from chatctx.config import EngineConfig, GenerationSettings
 from chatctx.engine import _gguf
 from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec
 from chatctx.engine._embedder import local_embedder
@@ -49,6 +49,8 @@ from chatctx.errors import (
 from chatctx.monitor._device import memory_snapshot
 
 logger = logging.getLogger("chatctx.engine")
+
+CLOSE_WAIT_S = 10.0  # close() waits this long for the turns it ended to give their slots back
 
 
 class Generation:
@@ -188,25 +190,26 @@ class Engine(PooledLeases, Closeable):
                 yarn_orig_ctx=config.yarn_orig_ctx,
             )
             self._stack.callback(self.context.close)  # LIFO: context before model
+            self.kv_cells_total = self.context.n_ctx
+            self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
+            self._codec: PromptCodec | None = None
+            self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
+            self._scheduler = Scheduler(
+                self.context,
+                self.model,
+                self._mirror,
+                lock=self._lock,
+                n_ctx=self._n_ctx,
+                admit=self._admit,
+                released=self._released,
+            )
+            self.kv_slots = KVSlots(self)
+            self._stack.callback(self.kv_slots.directory.close)  # a failed load lets go
+            self.pool = self.kv_slots.pool
+            self.swap = self.kv_slots.swap
         except BaseException:
-            self._stack.close()
+            self._stack.close()  # nothing built here outlives a failed load
             raise
-        self.kv_cells_total = self.context.n_ctx
-        self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
-        self._codec: PromptCodec | None = None
-        self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
-        self._scheduler = Scheduler(
-            self.context,
-            self.model,
-            self._mirror,
-            lock=self._lock,
-            n_ctx=self._n_ctx,
-            admit=self._admit,
-            released=self._released,
-        )
-        self.kv_slots = KVSlots(self, slot_table=config.slot_table or default_home() / "slots.json")
-        self.pool = self.kv_slots.pool
-        self.swap = self.kv_slots.swap
         logger.debug(
             "loaded %s: n_ctx=%d slots=%d cells=%d template=%s gpu=%s",
             config.model_path,
@@ -231,15 +234,22 @@ class Engine(PooledLeases, Closeable):
     # lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """End live generations (stop reason ``closed``), keep slot states on disk, free all."""
+        """End live generations (stop reason ``closed``), wait for the sessions running them
+        to store their replies and give their slots back (10 s at most), keep the slots'
+        states on disk, free everything."""
         if self._closed:
             return
         self._scheduler.close()
+        # The sessions whose replies just ended store them (partial) and give their slots
+        # back; the engine stays usable for that (their turn records read its cells).
+        if not self.pool.wait_released(CLOSE_WAIT_S):
+            logger.warning("closing the engine with slots still leased")
         self.pool.close()
         with self._locked():
             self._closed = True
             self.kv_slots.persist()
             self._stack.close()
+        self.kv_slots.close()
 
     @property
     def closed(self) -> bool:

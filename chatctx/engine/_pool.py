@@ -10,14 +10,15 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatctx._files import write_atomic
 from chatctx.config import default_home
+from chatctx.engine._instance import EngineDirectory
 from chatctx.engine._scheduler import BatchCounters
 from chatctx.engine._slots import SlotPool
 from chatctx.engine._swap import SwapCache, SwapEntry, SwapHit
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from chatctx.engine._engine import Engine
 
 logger = logging.getLogger("chatctx.engine")
+
+TABLE_INTERVAL_S = 0.2  # the slot table is written at most this often
 
 
 @dataclass
@@ -46,23 +49,64 @@ class SwapCounters:
 class KVSlots:
     """Slots, swapped states and their counters for one engine."""
 
-    def __init__(self, engine: Engine, *, slot_table: Path) -> None:
+    def __init__(self, engine: Engine) -> None:
         config = engine.config
         self._engine = engine
-        self.path = slot_table
+        # A directory of this engine's own (swap files, slot table), apart from any other
+        # engine under the same home.
+        self.directory = EngineDirectory(
+            config.swap_dir or default_home() / "engines",
+            legacy=None if config.swap_dir else default_home() / "kv",
+        )
+        self.path = config.slot_table or self.directory.slot_table
         self.counters = SwapCounters()
         self.swap = SwapCache(
             fingerprint=engine.fingerprint(),
             ram_bytes=int(config.swap_ram_mb * 2**20),
             disk_bytes=int(config.swap_disk_mb * 2**20),
-            directory=config.swap_dir or default_home() / "kv",
+            directory=self.directory.kv,
+            adopt=self.directory.adopt,
         )
+        self._table_lock = threading.Lock()
+        self._table_timer: threading.Timer | None = None
+        self._table_written = 0.0
         self.pool = SlotPool(
             engine.slots,
             swap_out=self._swap_out,
             swap_in=self._swap_in,
-            on_change=lambda: engine.write_slot_table(),
+            on_change=self.table_changed,
         )
+
+    def table_changed(self) -> None:
+        """Write the slot table soon: at once when the last write is older than
+        TABLE_INTERVAL_S, else once at the end of that interval (one write for a burst of
+        leases and releases, never one per lease)."""
+        with self._table_lock:
+            if self._table_timer is not None:
+                return
+            wait = self._table_written + TABLE_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                self._table_timer = threading.Timer(wait, self._write_due)
+                self._table_timer.daemon = True
+                self._table_timer.start()
+                return
+            self._table_written = time.monotonic()
+        self._engine.write_slot_table()
+
+    def _write_due(self) -> None:
+        with self._table_lock:
+            self._table_timer = None
+            self._table_written = time.monotonic()
+        if not self._engine.closed:
+            self._engine.write_slot_table()
+
+    def close(self) -> None:
+        """After ``persist``: the last table, then this engine's directory is let go."""
+        with self._table_lock:
+            if self._table_timer is not None:
+                self._table_timer.cancel()
+                self._table_timer = None
+        self.directory.close()
 
     def _swap_out(self, seq_id: int, owner: str) -> None:
         t0 = time.perf_counter()

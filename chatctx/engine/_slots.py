@@ -38,8 +38,9 @@ class SlotPool:
     """``n`` slots (sequences ``0..n-1``). The engine provides the KV operations.
 
     ``swap_out(seq_id, owner)`` saves and clears a slot; ``swap_in(seq_id, owner)`` loads a
-    saved state into an empty slot and says how it went. Both run under the pool's lock (the
-    engine takes its own lock inside: pool before engine, never the other way).
+    saved state into an empty slot and says how it went. ``lease`` runs them outside the
+    pool's lock, the slot and both owners marked as moving; ``pin`` (the expert option) under
+    it. ``on_change`` (the slot table) is called outside the lock.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class SlotPool:
         self._cv = threading.Condition()
         self._closed = False
         self._tickets = itertools.count(1)
+        self._moving: set[str] = set()  # owners whose state is being saved or restored
 
     def owner_of(self, seq_id: int) -> str | None:
         return self.slots[seq_id].owner if seq_id < len(self.slots) else None
@@ -67,52 +69,33 @@ class SlotPool:
     def lease(self, owner: str, *, timeout: float | None = None) -> Lease:
         """A slot for ``owner``'s turn: its own if still there, else a free or LRU idle one.
 
-        Waits while every slot is leased (or ``owner`` has a turn in flight); ``timeout``
-        seconds at most, then ``DeadlineExceeded``.
+        Waits while every slot is leased (or ``owner`` has a turn in flight, or its state is
+        being moved); ``timeout`` seconds at most, then ``DeadlineExceeded``. Saving the
+        loser's state and restoring ``owner``'s (disk reads, llama.cpp's state calls) run
+        outside the pool's lock: other conversations lease and release meanwhile.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        victim: _Slot | None = None
+        loser: str | None = None
         with self._cv:
             while True:
                 self._check_open()
                 slot = self.slot_of(owner)
-                if slot is not None and slot.leased and slot.thread == threading.get_ident():
+                if owner in self._moving:
+                    pass  # its state is being saved or restored: wait for it
+                elif slot is not None and slot.leased and slot.thread == threading.get_ident():
                     raise ConfigError(
                         f"conversation {owner!r} already has a turn in flight in this thread"
                     )
-                if slot is not None and not slot.leased:
+                elif slot is not None and not slot.leased:
                     self._take(slot)
-                    return Lease(owner, slot.seq_id, ticket=slot.ticket)
-                if slot is None:
-                    victim = self._victim()
-                    if victim is not None:
-                        if victim.owner is not None:
-                            self._swap_out(victim.seq_id, victim.owner)
-                            victim.owner = None
-                        victim.owner = owner
-                        self._take(victim)
-                        try:
-                            hit, ms = self._swap_in(victim.seq_id, owner)
-                        except BaseException:
-                            victim.leased = False
-                            victim.thread = None
-                            victim.owner = None
-                            self._cv.notify_all()
-                            raise
-                        if hit.entry is None:
-                            return Lease(
-                                owner,
-                                victim.seq_id,
-                                reprefill_reason=hit.reason,
-                                ticket=victim.ticket,
-                            )
-                        return Lease(
-                            owner,
-                            victim.seq_id,
-                            swap_in=hit.where,
-                            swap_in_ms=ms,
-                            swap_in_bytes=hit.entry.size,
-                            ticket=victim.ticket,
-                        )
+                    lease = Lease(owner, slot.seq_id, ticket=slot.ticket)
+                    break
+                elif slot is None and (victim := self._victim()) is not None:
+                    loser, victim.owner = victim.owner, owner
+                    self._take(victim)
+                    self._moving.update(o for o in (owner, loser) if o is not None)
+                    break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise DeadlineExceeded(
@@ -121,6 +104,34 @@ class SlotPool:
                         seconds=timeout,
                     )
                 self._cv.wait(left)
+        if victim is None:
+            self._on_change()
+            return lease
+        try:
+            if loser is not None:
+                self._swap_out(victim.seq_id, loser)
+            hit, ms = self._swap_in(victim.seq_id, owner)
+        except BaseException:
+            with self._cv:
+                victim.leased = False
+                victim.thread = None
+                victim.owner = None
+                raise
+        finally:
+            with self._cv:
+                self._moving.difference_update(o for o in (owner, loser) if o is not None)
+                self._cv.notify_all()
+        self._on_change()
+        if hit.entry is None:
+            return Lease(owner, victim.seq_id, reprefill_reason=hit.reason, ticket=victim.ticket)
+        return Lease(
+            owner,
+            victim.seq_id,
+            swap_in=hit.where,
+            swap_in_ms=ms,
+            swap_in_bytes=hit.entry.size,
+            ticket=victim.ticket,
+        )
 
     def pin(self, owner: str, seq_id: int) -> None:
         """Give ``owner`` slot ``seq_id`` for good (the expert ``seq_id=`` option)."""
@@ -149,7 +160,7 @@ class SlotPool:
                 slot.owner = owner
                 self._swap_in(slot.seq_id, owner)
             slot.pinned = True
-            self._on_change()
+        self._on_change()
 
     def unpin(self, owner: str) -> None:
         with self._cv:
@@ -157,7 +168,7 @@ class SlotPool:
             if slot is not None:
                 slot.pinned = False
                 self._cv.notify_all()
-            self._on_change()
+        self._on_change()
 
     def release(self, lease: Lease) -> None:
         with self._cv:
@@ -168,7 +179,7 @@ class SlotPool:
                 slot.last_use = time.monotonic()
                 slot.last_use_wall = datetime.now(UTC).isoformat()
             self._cv.notify_all()
-            self._on_change()
+        self._on_change()
 
     def forget(self, seq_id: int) -> None:
         """The slot's cache was cleared outside the pool: it belongs to no one now."""
@@ -177,6 +188,17 @@ class SlotPool:
             if slot is not None and not slot.leased and not slot.pinned:
                 slot.owner = None
                 self._cv.notify_all()
+
+    def wait_released(self, timeout: float) -> bool:
+        """Wait until no slot is leased (at most ``timeout`` seconds); True if none is."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while any(s.leased for s in self.slots):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
 
     def close(self) -> None:
         with self._cv:
@@ -193,7 +215,6 @@ class SlotPool:
         slot.thread = threading.get_ident()
         slot.last_use = time.monotonic()
         slot.last_use_wall = datetime.now(UTC).isoformat()
-        self._on_change()
 
     def _victim(self) -> _Slot | None:
         free = [s for s in self.slots if s.owner is None and not s.leased and not s.pinned]

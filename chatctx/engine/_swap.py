@@ -6,7 +6,8 @@ instead of evaluating its prompt again. Every state carries the fingerprint of t
 that saved it (model, KV layout and types, n_ctx); a state from another engine is dropped
 and the reason returned, so the turn re-prefills and the monitor says why.
 
-Files live under one directory (``$CHATCTX_HOME/kv`` by default) and survive a restart.
+Files live in the engine's own directory (``_instance``) and survive a restart: a later
+engine adopts a state of a gone one when its conversation comes back.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -74,8 +76,11 @@ class SwapCache:
         ram_bytes: int,
         disk_bytes: int,
         directory: Path | None,
+        adopt: Callable[[str], Path | None] | None = None,
     ) -> None:
         self.fingerprint = fingerprint
+        # adopt(filename): a state file of an engine that is gone, moved into ``directory``
+        self._adopt = adopt
         self.ram_bytes = ram_bytes
         self.disk_bytes = disk_bytes
         self.directory = directory if disk_bytes > 0 else None
@@ -212,7 +217,7 @@ class SwapCache:
                 return SwapHit(None, None, None)
             path = self._path(owner)
             self._disk.pop(owner, None)
-            if not path.exists():
+            if not path.exists() and (self._adopt is None or self._adopt(path.name) is None):
                 return SwapHit(None, None, None)
             reason: str | None = None
             try:

@@ -9,6 +9,8 @@ from chatctx.monitor._slots import (
     SlotTable,
     SwappedRow,
     default_slots_path,
+    engines_dir,
+    live_slot_tables,
     read_slot_table,
     write_slot_table,
 )
@@ -24,7 +26,9 @@ __all__ = [
     "SwappedRow",
     "Totals",
     "default_slots_path",
+    "engines_dir",
     "gpu_memory",
+    "live_slot_tables",
     "memory_snapshot",
     "percentile",
     "prometheus_text",

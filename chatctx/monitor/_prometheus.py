@@ -160,6 +160,7 @@ def prometheus_text(
     n_ctx: int | None = None,
     live_memory: MemorySnapshot | None = None,
     slot_table: SlotTable | None = None,
+    slot_tables: Sequence[SlotTable] = (),
 ) -> str:
     """Exposition text for each conversation's turns, plus live KV usage when given.
 
@@ -168,7 +169,9 @@ def prometheus_text(
     from each conversation's last turn, and from ``live_memory`` (``memory_snapshot()``) when
     given; GPU gauges are left out where they were not measured. ``slot_table``
     (``read_slot_table()``) adds the slot pool: slots leased, cells per slot, swapped bytes,
-    swap-in/out counts and times, and batch steps and tokens.
+    swap-in/out counts and times, and batch steps and tokens. ``slot_tables`` (several
+    engines under one home, ``live_slot_tables()``) adds each one's, labelled
+    ``engine="<pid>"``.
     """
     lines: list[str] = []
     stats = {cid: totals(turns) for cid, turns in conversations.items()}
@@ -273,4 +276,23 @@ def prometheus_text(
             ]
     if slot_table is not None:
         lines += _slot_lines(slot_table)
+    if slot_tables:
+        lines += _engine_lines(slot_tables)
     return "\n".join(lines) + "\n"
+
+
+def _engine_lines(tables: Sequence[SlotTable]) -> list[str]:
+    """Every engine's pool metrics, one HELP/TYPE per metric, samples labelled by engine."""
+    metrics: dict[str, list[str]] = {}  # metric -> its HELP and TYPE lines, then samples
+    for table in tables:
+        engine = f'engine="{table.pid}"'
+        for line in _slot_lines(table):
+            if line.startswith("#"):
+                head = metrics.setdefault(line.split()[2], [])
+                if len(head) < 2:  # HELP and TYPE, from the first engine
+                    head.append(line)
+                continue
+            sample, value = line.rsplit(" ", 1)
+            sample = f"{sample[:-1]},{engine}}}" if "{" in sample else f"{sample}{{{engine}}}"
+            metrics[sample.split("{", 1)[0]].append(f"{sample} {value}")
+    return [line for lines in metrics.values() for line in lines]

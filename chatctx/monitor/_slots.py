@@ -55,8 +55,31 @@ MAX_TABLE_BYTES = 64 * 1024 * 1024
 
 
 def default_slots_path() -> Path:
-    """Where the engine writes its slot table by default: ``<CHATCTX_HOME>/slots.json``."""
+    """The slot table of the older, one-engine layout: ``<CHATCTX_HOME>/slots.json``.
+
+    Each engine now writes its own (``<CHATCTX_HOME>/engines/<engine>/slots.json``):
+    ``live_slot_tables`` finds the running ones.
+    """
     return default_home() / "slots.json"
+
+
+def engines_dir() -> Path:
+    """Where each engine keeps its directory: ``<CHATCTX_HOME>/engines``."""
+    return default_home() / "engines"
+
+
+def live_slot_tables(root: Path | None = None) -> list[tuple[Path, SlotTable]]:
+    """The slot tables of every engine still running under ``root`` (default
+    ``engines_dir()``), oldest directory name first; an engine that has not written one yet
+    is left out. A live engine's unreadable table is a ``StoreError``."""
+    from chatctx.engine._instance import live_directories  # no llama.cpp: files and locks
+
+    out = []
+    for directory in live_directories(root or engines_dir()):
+        path = directory / "slots.json"
+        if path.is_file():
+            out.append((path, read_slot_table(path)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,13 +7,14 @@ turns written here.
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from chatctx.cli import cli
+from chatctx.engine import Engine
 from chatctx.store import Store
 
 SAMPLE = Path(__file__).parents[1] / "monitor" / "data" / "slots_v1.json"
@@ -141,17 +142,41 @@ def test_slots_json(db: str) -> None:
     }
 
 
-def test_default_slots_file_is_in_chatctx_home(db: str, tmp_path: Path) -> None:
+def test_stats_slots_reads_every_live_engine_under_the_home(
+    db: str, tmp_path: Path, tiny_llama3_path: Path
+) -> None:
     runner = CliRunner()
+    home = tmp_path / "home"  # conftest's CHATCTX_HOME
     result = runner.invoke(cli, ["stats", "--slots", "--db", db])
-    expected = tmp_path / "home" / "slots.json"  # conftest's CHATCTX_HOME
     assert result.exit_code == 1
-    assert result.output == f"Error: no engine has written a slot table at {expected}\n"
-    expected.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(SAMPLE, expected)
-    found = runner.invoke(cli, ["stats", "--slots", "--db", db, "--json"])
-    assert found.exit_code == 0, found.output
-    assert json.loads(found.output)["slots_file"] == str(expected)
+    assert result.output == (
+        f"Error: no running engine has written a slot table under {home / 'engines'} "
+        f"(nor is there {home / 'slots.json'})\n"
+    )
+    # Two engines in this process stand for two bot processes sharing the home: each keeps
+    # its own table (the last writer used to overwrite the other's).
+    with (
+        Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as one,
+        Engine.load(tiny_llama3_path, n_ctx=256, slots=2) as two,
+    ):
+        one.release(one.lease("a"))
+        two.release(two.lease("b"))
+        one.write_slot_table()
+        two.write_slot_table()
+        found = runner.invoke(cli, ["stats", "--slots", "--db", db, "--json"])
+        assert found.exit_code == 0, found.output
+        engines = json.loads(found.output)["engines"]
+        assert sorted(len(e["table"]["slots"]) for e in engines) == [1, 2]
+        assert {e["table"]["slots"][0]["conversation"] for e in engines} == {"a", "b"}
+        assert all(Path(e["slots_file"]).parent.parent == home / "engines" for e in engines)
+        prometheus = runner.invoke(cli, ["stats", "--prometheus", "--slots", "--db", db])
+        assert prometheus.exit_code == 0, prometheus.output
+        assert prometheus.output.count("# TYPE chatctx_pool_slots gauge") == 1
+        pid = os.getpid()
+        assert prometheus.output.count(f'chatctx_pool_slots{{engine="{pid}"}}') == 2
+    # Both closed: no live engine is left to show.
+    gone = runner.invoke(cli, ["stats", "--slots", "--db", db])
+    assert gone.exit_code == 1 and "no running engine" in gone.output
 
 
 def test_bad_slot_files_exit_1_without_a_traceback(db: str, tmp_path: Path) -> None:

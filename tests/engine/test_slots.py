@@ -7,8 +7,8 @@ own view of each sequence (positions, cell counts, state bytes) and its logits.
 from __future__ import annotations
 
 import asyncio
-import random
 import itertools
+import random
 import threading
 from pathlib import Path
 from typing import Any

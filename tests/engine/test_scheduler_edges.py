@@ -1,0 +1,179 @@
+"""The scheduler at its edges: refused submits, cancelled prefills, inserts, deadlines.
+
+Oracles: llama.cpp's own evaluated-token counters, the decode calls llama.cpp was asked to
+make (recorded around ``decode_many``) with their wall-clock times, and a watchdog thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chatctx import ConfigError, DeadlineExceeded, Engine, GenerationSettings
+from chatctx.engine._scheduler import PREFILL_CHUNK
+from chatctx.engine._slots import SlotPool
+from chatctx.engine._swap import SwapHit
+from tests.llama_counters import counted, prime_counters
+
+GREEDY = GenerationSettings(temperature=0.0, max_tokens=400, repeat_penalty=1.0)
+
+
+def record_decodes(engine: Engine) -> list[tuple[dict[int, int], float, float]]:
+    """Every decode llama.cpp is asked for: (sequence -> tokens, start, end perf_counter)."""
+    calls: list[tuple[dict[int, int], float, float]] = []
+    decode_many = engine.context.decode_many
+
+    def recording(parts: Any) -> list[int]:
+        start = time.perf_counter()
+        try:
+            return decode_many(parts)
+        finally:
+            calls.append(
+                ({seq: len(tokens) for seq, tokens, _, _ in parts}, start, time.perf_counter())
+            )
+
+    engine.context.decode_many = recording  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_refused_submit_leaves_nothing_for_close_to_wait_for(tiny_llama3_path: Path) -> None:
+    with Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as engine:
+        running = engine.generate([128000, 5, 6], seq_id=0, settings=GREEDY)
+        next(iter(running))
+        second = engine.generate([128000, 7, 8], seq_id=0, settings=GREEDY)
+        with pytest.raises(ConfigError, match="busy"):
+            next(second)  # the sequence has a generation: refused
+        closer = threading.Thread(target=second.close, daemon=True)
+        closer.start()
+        closer.join(1.0)  # the watchdog: close() must not wait for a job nobody runs
+        assert not closer.is_alive()
+        running.close()
+
+
+def test_a_cancelled_prefill_records_what_llama_cpp_evaluated(tiny_llama3_path: Path) -> None:
+    with Engine.load(tiny_llama3_path, n_ctx=2048, slots=1) as engine:
+        prime_counters(engine)
+        calls = record_decodes(engine)
+        prompt = [128000, *range(1000, 1000 + 6 * PREFILL_CHUNK)]
+        before = counted(engine)
+        generation = engine.generate(prompt, seq_id=0, settings=GREEDY)
+        stop = threading.Thread(
+            target=lambda: (_wait_for(lambda: len(calls) >= 2), generation.close()), daemon=True
+        )
+        stop.start()
+        result = generation.wait()
+        stop.join()
+        assert result.stop_reason == "interrupted"
+        decoded = counted(engine) - before
+        assert 0 < decoded < len(prompt)  # stopped in the middle of the prefill
+        assert result.usage.evaluated_tokens == decoded
+        assert len(engine.cached_tokens(0)) == decoded  # the mirror holds what is cached
+
+
+def _wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_a_changed_summary_goes_in_chunks_beside_a_running_stream(tiny_llama3_path: Path) -> None:
+    # One customer streams while another's changed summary (700 tokens) is inserted in front
+    # of its kept turns. Before, the insert was one decode inside admission: the stream
+    # stood still for all of it.
+    insert = 700
+    with Engine.load(tiny_llama3_path, n_ctx=2048, slots=2, n_batch=1024) as engine:
+        system = list(range(300, 340))
+        kept = list(range(2000, 2000 + 300))
+        engine.prefill([128000, *system, *range(5000, 5000 + 200), *kept], seq_id=1)
+        calls = record_decodes(engine)
+        stream = engine.generate([128000, *range(700, 760)], seq_id=0, settings=GREEDY)
+        chunks = iter(stream)
+        next(chunks)
+        summary = list(range(9000, 9000 + insert))
+        prompt = [128000, *system, *summary, *kept, *range(7000, 7020)]
+        turn = engine.generate(
+            prompt, seq_id=1, settings=GenerationSettings(max_tokens=1), history_start=41 + insert
+        )
+        reader = threading.Thread(target=lambda: [None for _ in chunks], daemon=True)
+        reader.start()
+        result = turn.wait()
+        stream.close()
+        reader.join()
+    assert result.kv is not None and result.kv.fallback is None  # the kept turns moved
+    assert result.usage.reused_tokens == 1 + len(system) + len(kept)
+    assert result.usage.evaluated_tokens == insert + 20
+    # The other customer's prompt went in chunks, each decoded alone, none across a multiple
+    # of PREFILL_CHUNK of its positions ...
+    mine = [(i, c[1]) for i, (c, _, _) in enumerate(calls) if 1 in c]
+    assert sum(n for _, n in mine) == insert + 20
+    assert all(len(calls[i][0]) == 1 and n <= PREFILL_CHUNK for i, n in mine)
+    # ... and the stream advanced between any two of them: it waited one chunk at most,
+    # measured around the decode calls.
+    streaming = [(start, end) for c, start, end in calls if c == {0: 1}]
+    first, last = calls[mine[0][0]][1], calls[mine[-1][0]][2]
+    during = [s for s in streaming if first <= s[0] <= last]
+    assert len(during) >= len(mine) - 1
+    chunk_s = max(calls[i][2] - calls[i][1] for i, _ in mine)
+    step_s = max(end - start for start, end in streaming)
+    gaps = [b[0] - a[1] for a, b in itertools.pairwise(during)]
+    assert max(gaps) <= chunk_s + step_s + 0.05, (max(gaps), chunk_s, step_s)
+
+
+def test_a_summary_deadline_holds_while_it_steps_aside(smollm2_path: Path) -> None:
+    # A background side generation steps aside while a customer's prompt is evaluated; its
+    # deadline used to be checked only when it produced a token, so it waited the whole
+    # prefill out, and then raised the builtin TimeoutError.
+    with Engine.load(smollm2_path, n_ctx=2048, slots=1) as engine:
+        long_prompt = [1, *range(1000, 1000 + 1900)]
+        customer = engine.generate(long_prompt, seq_id=0, settings=GenerationSettings(max_tokens=1))
+        chunks = iter(customer)
+        done = threading.Thread(target=lambda: [None for _ in chunks], daemon=True)
+        done.start()
+        _wait_for(lambda: customer._job.state in ("prefill", "decode", "done"))
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            engine.side_generate(
+                [1, *range(3000, 3064)],
+                settings=GenerationSettings(max_tokens=32),
+                background=True,
+                deadline=started + 0.3,
+            )
+        waited = time.monotonic() - started
+        still_prefilling = customer.result is None
+        done.join()
+        assert customer.result is not None
+        prefill_s = customer.result.timings.prefill_ms / 1000
+    assert still_prefilling, "the customer's prefill was too short to test stepping aside"
+    # Stopped within a step or two of its deadline (the lock is taken between steps, and a
+    # step is one prompt chunk here), long before the customer's prefill ended.
+    step_s = prefill_s / -(-len(long_prompt) // PREFILL_CHUNK)
+    assert waited < 0.3 + 2 * step_s + 0.3 < prefill_s, (waited, step_s, prefill_s)
+
+
+def test_swapping_in_runs_outside_the_pool_lock() -> None:
+    # A restore from disk takes its time; other customers' leases and releases must not
+    # wait for it (they did: swaps ran under the pool's lock).
+    restoring = threading.Event()
+
+    def slow_swap_in(seq_id: int, owner: str) -> tuple[SwapHit, float]:
+        if owner == "slow":
+            restoring.set()
+            time.sleep(0.5)
+        return SwapHit(None, None, None), 0.0
+
+    pool = SlotPool(2, swap_out=lambda seq, owner: None, swap_in=slow_swap_in)
+    fast = pool.lease("fast")
+    pool.release(fast)
+    waiter = threading.Thread(target=lambda: pool.release(pool.lease("slow")), daemon=True)
+    waiter.start()
+    assert restoring.wait(5)
+    started = time.monotonic()
+    pool.release(pool.lease("fast"))  # its own slot, while "slow" is being restored
+    assert time.monotonic() - started < 0.2
+    waiter.join()

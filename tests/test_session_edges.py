@@ -1,0 +1,297 @@
+"""ChatSession at the edges a support bot meets every day; the database rows are the oracle.
+
+Two first messages of a new customer at once, a session or an engine closed while a reply
+streams, a turn record that cannot be written, a plan asked for while a summary is ready, a
+stream dropped before it started, a session refused after its engine was loaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from chatctx import ChatSession, ConfigError, Engine, StoreError
+from chatctx.context import BackgroundSummarizer
+from chatctx.engine._instance import live_directories
+from chatctx.monitor import engines_dir
+from chatctx.store import Store
+
+LONG = {"max_tokens": 300, "temperature": 0.0, "repeat_penalty": 1.0}
+
+
+def rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    with Store(url) as store, store.engine.connect() as connection:
+        return [tuple(r) for r in connection.execute(text(sql))]
+
+
+def test_eight_threads_open_one_new_conversation_at_once(
+    db_url: str, llama3_engine: Engine
+) -> None:
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+    store = Store(db_url)  # one store and one engine for all, as a bot has
+
+    def customer(n: int) -> None:
+        try:
+            start.wait()
+            with ChatSession.open(
+                store,
+                conversation_id="new-customer",
+                model=llama3_engine,
+                settings={"max_tokens": 4, "temperature": 0.0},
+            ) as chat:
+                chat.send(f"message {n}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=customer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.close()
+    assert errors == []
+    assert rows(db_url, "SELECT id FROM conversations") == [("new-customer",)]
+    messages = rows(db_url, "SELECT position, role, content FROM messages ORDER BY position")
+    # One turn at a time: every user message is followed by its reply.
+    assert [m[0] for m in messages] == list(range(16))
+    assert [m[1] for m in messages] == ["user", "assistant"] * 8
+    assert sorted(m[2] for m in messages[::2]) == [f"message {n}" for n in range(8)]
+    turns = rows(db_url, "SELECT user_message_id, assistant_message_id FROM turns")
+    assert len(turns) == 8 and all(a == u + 1 for u, a in turns)
+
+
+ROUNDS = 10  # a new customer per round, all four processes at once
+
+
+def _process_customer(db_url: str, model: str, n: int, start: Any) -> None:
+    with Engine.load(model, n_ctx=256, slots=1) as engine, Store(db_url) as store:
+        for r in range(ROUNDS):
+            start.wait(60)  # a process that failed leaves the others waiting this long
+            with ChatSession.open(
+                store,
+                conversation_id=f"new-customer-{r}",
+                model=engine,
+                settings={"max_tokens": 4, "temperature": 0.0},
+            ) as chat:
+                chat.send(f"message {n}")
+
+
+def test_four_processes_open_one_new_conversation_at_once(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(4)
+    workers = [
+        context.Process(target=_process_customer, args=(db_url, str(tiny_llama3_path), n, start))
+        for n in range(4)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+    assert [w.exitcode for w in workers] == [0, 0, 0, 0]
+    expected = [(f"new-customer-{r}",) for r in range(ROUNDS)]
+    assert sorted(rows(db_url, "SELECT id FROM conversations")) == sorted(expected)
+    for (cid,) in expected:
+        messages = rows(
+            db_url,
+            "SELECT id, position, role, content FROM messages "
+            f"WHERE conversation_id = '{cid}' ORDER BY position",
+        )
+        assert [m[1] for m in messages] == list(range(8))
+        users = {m[0]: m[3] for m in messages if m[2] == "user"}
+        assert sorted(users.values()) == [f"message {n}" for n in range(4)]
+        # Each reply belongs to its own user message, whatever the interleaving.
+        turns = rows(
+            db_url,
+            "SELECT user_message_id, assistant_message_id FROM turns "
+            f"WHERE conversation_id = '{cid}'",
+        )
+        assert sorted(u for u, _ in turns) == sorted(users) and len({a for _, a in turns}) == 4
+
+
+def test_closing_a_session_mid_stream_stores_what_the_client_read(
+    tmp_path: Path, llama3_engine: Engine
+) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    chat = ChatSession.open(url, conversation_id="c1", model=llama3_engine, settings=LONG)
+    received: list[str] = []
+    errors: list[BaseException] = []
+    first = threading.Event()
+
+    def client() -> None:
+        try:
+            for chunk in chat.stream("tell me a long story"):
+                received.append(chunk)
+                if len(received) >= 5:
+                    first.set()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            first.set()
+
+    reader = threading.Thread(target=client)
+    reader.start()
+    assert first.wait(30)
+    chat.close()  # from another thread, the store owned by the session
+    reader.join(30)
+    assert errors == []
+    stored = rows(url, "SELECT role, content, status FROM messages ORDER BY position")
+    assert stored[0] == ("user", "tell me a long story", "complete")
+    role, content, status = stored[1]
+    assert role == "assistant" and status == "partial"
+    assert content == "".join(received)  # the client read it all, and the store holds it
+    assert rows(url, "SELECT stop_reason FROM turns") == [("interrupted",)]
+
+
+def slow_database(store: Store) -> None:
+    """Each write of a reply takes a while, as on a busy database server."""
+    for name in ("record_reply", "add_turn"):
+        write = getattr(store, name)
+
+        def slow(*args: Any, _write: Any = write, **kwargs: Any) -> Any:
+            time.sleep(0.3)
+            return _write(*args, **kwargs)
+
+        setattr(store, name, slow)
+
+
+def test_closing_the_engine_mid_stream_stores_the_reply(
+    tmp_path: Path, tiny_llama3_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    engine = Engine.load(tiny_llama3_path, n_ctx=1024, slots=2)
+    received: list[str] = []
+    started = threading.Event()
+    with ChatSession.open(url, conversation_id="c1", model=engine, settings=LONG) as chat:
+        slow_database(chat.store)
+
+        def client() -> None:
+            for chunk in chat.stream("go on"):
+                received.append(chunk)
+                started.set()
+
+        reader = threading.Thread(target=client)
+        reader.start()
+        assert started.wait(30)
+        engine.close()  # returns once the session stored the reply it ended
+        stored = rows(url, "SELECT content, status FROM messages WHERE role = 'assistant'")
+        reader.join(30)
+    assert stored == [("".join(received), "partial")]
+    assert rows(url, "SELECT stop_reason FROM turns") == [("closed",)]
+
+
+def test_a_turn_that_cannot_be_recorded_leaves_no_half_turn(
+    db_url: str, llama3_engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    from chatctx.store import _db
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("disk on fire")
+
+    with ChatSession.open(
+        db_url, conversation_id="c", model=llama3_engine, settings={"max_tokens": 8}
+    ) as chat:
+        monkeypatch.setattr(_db, "_add_turn", broken)  # the turn row, after the message
+        caplog.set_level(logging.ERROR, logger="chatctx.session")
+        with pytest.raises(StoreError) as raised:
+            chat.send("hello there")
+        generated = chat.engine.cached_tokens(chat.seq_id or 0)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    logged = [r for r in caplog.records if "not stored" in r.getMessage()]
+    assert logged and "disk on fire" in logged[0].getMessage()
+    assert generated  # something was generated, and its text is in the log
+    text_logged = logged[0].getMessage().split("its text: ", 1)[1]
+    assert len(text_logged) > 2
+    # The user message is kept; no reply without its turn, no turn without its reply.
+    assert rows(db_url, "SELECT role FROM messages") == [("user",)]
+    assert rows(db_url, "SELECT count(*) FROM turns") == [(0,)]
+
+
+def test_plan_shows_a_finished_background_summary_and_leaves_it_to_the_turn(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    with (
+        Engine.load(tiny_llama3_path, n_ctx=1024, n_seq_max=2) as engine,
+        ChatSession.open(
+            db_url,
+            model=engine,
+            settings={"max_tokens": 2, "temperature": 0.0},
+            context={"budget": 200, "reserve": 8, "summarizer": "llm", "summary_max_tokens": 16},
+        ) as chat,
+    ):
+        summarizer = chat.builder().summarizer
+        assert isinstance(summarizer, BackgroundSummarizer)
+        for turn in range(20):
+            chat.send(f"turn {turn}: " + "words " * 15)
+            if summarizer.running():
+                break
+        assert summarizer.wait(60) and summarizer.ready(), "no background summary was written"
+        pending = set(chat.store.context_state(chat.conversation_id).pending_ids)
+        assert pending
+        planned = chat.plan("and now?")
+        # The plan shows it (the tiny model may have had nothing to add: the evicted
+        # messages count as summarized all the same) ...
+        assert set(planned.plan.summarized_ids) == pending
+        assert summarizer.ready()  # ... and leaves it where it was
+        reply = chat.send("and now?")
+        assert reply.plan is not None and set(reply.plan.summarized_ids) == pending  # taken
+        still = set(chat.store.context_state(chat.conversation_id).pending_ids)
+        assert pending.isdisjoint(still)  # folded in, stored: not waiting any more
+
+
+def test_a_stream_dropped_before_its_first_chunk_lets_summaries_go_on(
+    db_url: str, llama3_engine: Engine
+) -> None:
+    with ChatSession.open(db_url, model=llama3_engine, settings={"max_tokens": 2}) as chat:
+        stream = chat.stream("hello")
+        assert not chat._turn_under_way.is_set()  # a background summary would wait now
+        del stream
+        gc.collect()
+        assert chat._turn_under_way.is_set()  # the gate opened: no 30-second wait
+        # and the slot came back: the next turn does not wait for it
+        assert chat.send("again").turn is not None
+
+
+def test_open_closes_the_engine_it_loaded_when_the_session_is_refused(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="not a slot"):
+        ChatSession.open(db_url, model=tiny_llama3_path, seq_id=5)  # one slot: 0
+    # The engine open() loaded is closed: its directory's lock is let go.
+    assert live_directories(engines_dir()) == []
+
+
+def test_waiting_for_a_slot_ends_when_the_session_closes(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    with Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as engine:
+        held = engine.lease("someone else")
+        chat = ChatSession.open(db_url, conversation_id="c", model=engine)
+        outcome: list[BaseException] = []
+        waiter = threading.Thread(
+            target=lambda: _catch(outcome, lambda: chat.send("hi")), daemon=True
+        )
+        waiter.start()
+        time.sleep(0.2)
+        chat.close()
+        waiter.join(5)
+        assert not waiter.is_alive() and outcome and type(outcome[0]).__name__ == "ClosedError"
+        engine.release(held)
+    assert rows(db_url, "SELECT count(*) FROM messages") == [(0,)]
+
+
+def _catch(into: list[BaseException], call: Any) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        into.append(exc)
