@@ -17,6 +17,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from chatctx.config import default_home
 from chatctx.engine._gguf import read_metadata
@@ -167,3 +168,63 @@ def write_tiny_llama3(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def serve_customers(
+    engine: Any,
+    customers: dict[str, list[str]],
+    *,
+    together: bool,
+    settings: dict[str, Any],
+    context: dict[str, Any],
+) -> dict[tuple[str, int], str]:
+    """Every customer's replies, served one customer after another (``together=False``) or
+    all at once from a thread each, as a support bot does. Returns (customer, turn) -> reply.
+
+    What "a reply does not depend on load" is checked with (tests and bench/
+    load_independence.py): the same engine settings either way, greedy sampling.
+    """
+    import threading
+
+    from chatctx.session import ChatSession
+    from chatctx.store import Store
+
+    replies: dict[tuple[str, int], str] = {}
+    errors: list[BaseException] = []
+    with Store("sqlite://") as store:
+
+        def serve(cid: str) -> None:
+            try:
+                with ChatSession.open(
+                    store, conversation_id=cid, model=engine, settings=settings, context=context
+                ) as chat:
+                    for turn, text in enumerate(customers[cid]):
+                        replies[cid, turn] = chat.send(text).text
+            except BaseException as exc:
+                errors.append(exc)
+
+        if together:
+            threads = [threading.Thread(target=serve, args=(cid,)) for cid in customers]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            for cid in customers:
+                serve(cid)
+    if errors:
+        raise errors[0]
+    return replies
+
+
+def support_customers(count: int, turns: int) -> dict[str, list[str]]:
+    """``count`` customers' first ``turns`` messages from the synthetic support chats."""
+    from chatctx.synthetic import support_conversation
+
+    out = {}
+    for n in range(count):
+        chat = support_conversation(turns=max(turns, 12), seed=100 + n)
+        out[f"customer-{n}"] = [m["content"] for m in chat["messages"] if m["role"] == "user"][
+            :turns
+        ]
+    return out

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.table import Table
@@ -24,10 +26,48 @@ from chatctx.cli._common import (
 from chatctx.cli._signals import interruptible
 from chatctx.errors import StoreError
 from chatctx.monitor import totals
+from chatctx.replay import ReplayConfig, Replayer, parse_logged
 from chatctx.session import ChatSession, Reply
 from chatctx.store import read_jsonl
 
 SAMPLE = "data/support_sample.jsonl"
+
+
+def _kv_figures(reply: Reply) -> dict[str, int]:
+    turn, plan = reply.turn, reply.plan
+    sections = plan.sections if plan is not None else {}
+    return {
+        "evicted_tokens": (turn.evicted_tokens or 0) if turn else 0,
+        "shifted_tokens": (turn.shifted_tokens or 0) if turn else 0,
+        "summary_tokens": sections.get("summary", 0),
+        "recall_tokens": sections.get("recall", 0),
+    }
+
+
+def _dry_runs(chat: ChatSession, budget: int, max_tokens: int) -> dict[str, dict[str, Any]]:
+    """The same chat (its stored replies as the log) replayed without the model, with
+    chatctx's policy and with trimming to fit every turn: like against like."""
+    messages = [m.to_openai() for m in chat.history()]
+    if chat.system_prompt:
+        messages.insert(0, {"role": "system", "content": chat.system_prompt})
+    logged = parse_logged(json.dumps({"id": "demo", "messages": messages}), line=1)
+    out = {}
+    # Trimming to fit every turn with only llama.cpp's prefix cache (what a plain loop over
+    # llama-cpp-python gets) against chatctx's defaults.
+    for policy, eviction in (("watermarks", "shift"), ("trim-every-turn", "recompute")):
+        config = ReplayConfig(
+            mode="dry", budget=budget, reserve=max_tokens, policy=policy, eviction=eviction
+        )
+        with Replayer(config, engine=chat.engine) as replayer:
+            report = replayer.replay(logged)
+        evaluated = sum(t.evaluated_tokens for t in report.turns)
+        new = sum(t.new_tokens for t in report.turns)
+        out[policy] = {
+            "evaluated_tokens": evaluated,
+            "new_tokens": new,
+            "prefill_amplification": evaluated / max(new, 1),
+        }
+    return out
 
 
 @click.command()
@@ -40,9 +80,17 @@ SAMPLE = "data/support_sample.jsonl"
     "(default: the bundled support sample).",
 )
 @click.option(
-    "--max-tokens", type=int, default=96, show_default=True, help="Most tokens per reply."
+    "--max-tokens", type=int, default=48, show_default=True, help="Most tokens per reply."
 )
 @click.option("--seed", type=int, default=42, show_default=True, help="Sampling seed.")
+@click.option(
+    "--budget",
+    type=click.IntRange(min=64),
+    default=384,
+    show_default=True,
+    help="Prompt token budget: small enough that the sample outgrows it, so turns are "
+    "evicted, summarized and recalled.",
+)
 @db_option
 @model_option
 @engine_options
@@ -52,6 +100,7 @@ def demo(
     path: Path | None,
     max_tokens: int,
     seed: int,
+    budget: int,
     db: str | None,
     model: str | None,
     n_ctx: int | None,
@@ -61,8 +110,12 @@ def demo(
 ) -> None:
     """Send each user message of a logged support chat to the model and show what it cost.
 
-    The replies are generated (not the logged ones) and stored in a new conversation. On
-    Ctrl-C or SIGTERM the reply so far is stored with status ``partial``.
+    The replies are generated (not the logged ones) and stored in a new conversation. The
+    chat outgrows the budget: early turns are evicted from the prompt and the KV cache in
+    place, folded into the summary, and recalled when the last message asks for a fact said
+    before. The table shows it turn by turn, and a dry run of the same chat says what
+    trimming to fit every turn would have evaluated. On Ctrl-C or SIGTERM the reply so far
+    is stored with status ``partial``.
     """
     if path is None:
         text = files("chatctx").joinpath(SAMPLE).read_text(encoding="utf-8")
@@ -85,6 +138,7 @@ def demo(
             model=model,
             system_prompt=record.system_prompt,
             settings={"max_tokens": max_tokens, "seed": seed, "temperature": 0.7},
+            context={"budget": budget},
             engine_options=build_engine_options(n_ctx, n_gpu_layers, chat_format),
         ) as chat,
     ):
@@ -111,6 +165,7 @@ def demo(
             replies.append(chat.last_reply)
             if not as_json:
                 console.print(f"\n[dim]{turn_figures(chat.last_reply)}[/dim]")
+        dry = _dry_runs(chat, budget, max_tokens)
     if as_json:
         print_json(
             {
@@ -123,9 +178,11 @@ def demo(
                         "stop_reason": r.stop_reason,
                         **asdict(r.usage),
                         **asdict(r.timings),
+                        **_kv_figures(r),
                     }
                     for i, r in enumerate(replies, start=1)
                 ],
+                "dry_run": dry,
             }
         )
         return
@@ -134,17 +191,26 @@ def demo(
         "prompt",
         "reused",
         "evaluated",
+        "evicted",
+        "shifted",
+        "summary",
+        "recalled",
         "generated",
         "TTFT ms",
         "tok/s",
-        title="per-turn figures",
+        title=f"per-turn figures (budget {budget} tokens)",
     )
     for i, r in enumerate(replies, start=1):
+        kv = _kv_figures(r)
         table.add_row(
             str(i),
             str(r.usage.prompt_tokens),
             str(r.usage.reused_tokens),
             str(r.usage.evaluated_tokens),
+            str(kv["evicted_tokens"]),
+            str(kv["shifted_tokens"]),
+            str(kv["summary_tokens"]),
+            str(kv["recall_tokens"]),
             str(r.usage.generated_tokens),
             f"{r.timings.ttft_ms or 0:.0f}",
             f"{r.timings.decode_tokens_per_s or 0:.1f}",
@@ -157,4 +223,11 @@ def demo(
     console.print(
         f"cache hit ratio {'-' if hit_ratio is None else f'{hit_ratio:.2f}'} (reused / prompt "
         f"tokens) · stored as conversation {cid}: `chatctx conversations show {cid}`"
+    )
+    ours, naive = dry["watermarks"], dry["trim-every-turn"]
+    console.print(
+        f"the same chat without the model (a dry run, replies as logged): trimming to fit "
+        f"every turn with a prefix cache evaluates {naive['evaluated_tokens']} prompt tokens "
+        f"({naive['prefill_amplification']:.2f}x the new ones), chatctx "
+        f"{ours['evaluated_tokens']} ({ours['prefill_amplification']:.2f}x)"
     )

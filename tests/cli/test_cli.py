@@ -193,12 +193,22 @@ def test_demo_json(db_url: str, tiny_llama3_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     turns = report["turns"]
-    assert len(turns) == 8
+    assert len(turns) == 16
     assert turns[0]["reused_tokens"] == 0
-    assert all(t["prompt_tokens"] == t["reused_tokens"] + t["evaluated_tokens"] for t in turns)
     assert all(t["reused_tokens"] > 0 for t in turns[1:])
+    # The sample outgrows the demo's budget: turns are evicted (and shifted in place),
+    # summarized, and the last one, which asks a fact back, gets a recall section.
+    assert all(t["prompt_tokens"] <= 384 for t in turns)
+    assert any(t["evicted_tokens"] > 0 for t in turns)
+    assert any(t["shifted_tokens"] > 0 for t in turns)
+    assert turns[-1]["summary_tokens"] > 0 and turns[-1]["recall_tokens"] > 0
+    dry = report["dry_run"]
+    assert dry["trim-every-turn"]["evaluated_tokens"] > dry["watermarks"]["evaluated_tokens"]
     with Store(db_url) as store:
-        assert len(store.messages(report["conversation"])) == 16
+        messages = store.messages(report["conversation"])
+        assert len(messages) == 32
+        summary = store.context_state(report["conversation"]).summary
+        assert summary is not None and "NH-48213" in summary.content
 
 
 def test_show_and_list_print_markup_like_text_verbatim(db_url: str) -> None:
