@@ -120,6 +120,12 @@ def from_chatctx(exc: ChatctxError, *, retry_after: int = 1) -> APIError:
     return APIError(500, "the model failed to answer", code=type(exc).__name__)
 
 
+# Errors raised by chatctx's own request checks (``_schemas``): their code is their type.
+_CUSTOM = frozenset(
+    {"unsupported_parameter", "invalid_stop", "invalid_stream_options", "unsupported_content"}
+)
+
+
 def _param(loc: Sequence[Any]) -> str | None:
     parts = [p for p in loc if p not in ("body", "query", "path", "header")]
     out = ""
@@ -144,11 +150,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
             param=param,
             code="unknown_parameter",
         )
-    if kind == "unsupported_parameter":
-        ctx = first.get("ctx") or {}
-        name = str(ctx.get("name", param))
-        return APIError(400, str(first.get("msg")), param=name, code="unsupported_parameter")
-    if kind in ("json_invalid", "model_attributes_type") or loc == ["body"]:
+    ctx = first.get("ctx") or {}
+    if kind in _CUSTOM:
+        named = param if param and param != "body" else ctx.get("name")
+        return APIError(400, str(first.get("msg")), param=named, code=kind)
+    body_kinds = ("model_attributes_type", "dict_type", "model_type")
+    if kind == "json_invalid" or (param is None and kind in body_kinds):
         return APIError(400, "the request body is not a JSON object", code="invalid_json")
     if kind == "missing":
         return APIError(400, f"missing required parameter: {param}", param=param, code=kind)
