@@ -18,7 +18,7 @@ import uvicorn
 
 from chatctx.serve._app import create_app
 from chatctx.serve._config import ServeConfig, check_bind
-from chatctx.serve._service import Service
+from chatctx.serve._service import Service, server_backend_class
 
 __all__ = ["DrainingServer", "serve"]
 
@@ -68,6 +68,8 @@ class DrainingServer(uvicorn.Server):
 def serve(config: ServeConfig) -> None:
     """Run ``chatctx serve`` until SIGTERM/SIGINT (then drain and return)."""
     check_bind(config)
+    if config.backend_urls:
+        server_backend_class()  # a clear error now, not after the server started
     app = create_app(config)
     service: Service = app.state.service
     uv_config = uvicorn.Config(

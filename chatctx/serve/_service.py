@@ -28,7 +28,7 @@ from chatctx.serve._tenants import ConversationLocks, Tenancy, TurnLimiter
 from chatctx.session import ChatSession
 from chatctx.store import Store
 
-__all__ = ["Service", "make_backend"]
+__all__ = ["Service", "make_backend", "server_backend_class"]
 
 logger = logging.getLogger("chatctx.serve")
 
@@ -36,20 +36,25 @@ logger = logging.getLogger("chatctx.serve")
 STATELESS_CONTEXT = ContextSettings(summarizer="none", recall=False)
 
 
+def server_backend_class() -> Any:
+    """``chatctx.LlamaServerBackend``, or a ``ConfigError`` saying it is not there yet."""
+    import chatctx
+
+    found = getattr(chatctx, "LlamaServerBackend", None)
+    if found is None:
+        raise ConfigError(
+            "--backend is not available yet: this chatctx has no LlamaServerBackend; "
+            "use --model GGUF"
+        )
+    return found
+
+
 def make_backend(
     model: str | None, backend_urls: Sequence[str], engine_options: Mapping[str, Any]
 ) -> Backend:
     """The backend ``serve`` runs: llama-server(s) at ``backend_urls``, else a local engine."""
     if backend_urls:
-        import chatctx
-
-        server_backend = getattr(chatctx, "LlamaServerBackend", None)
-        if server_backend is None:
-            raise ConfigError(
-                "--backend is not available yet: this chatctx has no LlamaServerBackend; "
-                "use --model GGUF"
-            )
-        backend: Backend = server_backend(list(backend_urls))
+        backend: Backend = server_backend_class()(list(backend_urls))
         return backend
     from chatctx.engine import Engine
 
