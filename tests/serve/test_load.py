@@ -68,7 +68,7 @@ def test_32_clients_10_turns_on_4_slots(
     base = f"{server.url}/v1"
     keys = list(TENANTS)
 
-    alone_sent, alone_ttfts, _ = asyncio.run(client_run(base, keys[0], "alone", TURNS))
+    _, alone_ttfts, _ = asyncio.run(client_run(base, keys[0], "alone", TURNS))
 
     async def everyone() -> list[Any]:
         runs = [client_run(base, keys[i % 4], f"load-{i}", TURNS) for i in range(CLIENTS)]
