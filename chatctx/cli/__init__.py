@@ -16,6 +16,7 @@ from chatctx.cli.inspect import inspect
 from chatctx.cli.models import models
 from chatctx.cli.plan import plan
 from chatctx.cli.replay import replay, tune
+from chatctx.cli.serve import serve
 from chatctx.cli.stats import stats
 from chatctx.cli.synth import synth
 
@@ -38,6 +39,7 @@ cli.add_command(inspect)
 cli.add_command(models)
 cli.add_command(plan)
 cli.add_command(replay)
+cli.add_command(serve)
 cli.add_command(stats)
 cli.add_command(synth)
 cli.add_command(tune)

@@ -1,0 +1,246 @@
+"""chatctx serve under load: HTTP overhead and what remembering saves.
+
+Three runs of the same load (``--clients`` customers x ``--turns`` turns, ``--slots`` slots,
+streamed, ``--max-tokens`` per reply):
+
+1. ``serve``: through ``chatctx serve`` (a subprocess), stateful, sending only the new message;
+2. ``in-process``: the same turns through ``ChatSession.astream`` on one shared ``Engine``;
+3. ``stateless``: through ``chatctx serve`` without ``conversation``, each client resending
+   its whole history (what a client of llama-server's own /v1/chat/completions does).
+
+Reported: throughput (turns/s), TTFT p50/p95 and their ratios serve / in-process (the HTTP
+overhead), and prompt tokens evaluated per turn, stateless / stateful.
+
+    python bench/serve_bench.py [--model GGUF] [--clients 32] [--turns 10] [--json out.json]
+
+Without ``--model`` the tiny random Llama 3 (``chatctx.testing``) is written once to
+``$CHATCTX_HOME/bench/tiny-llama3.gguf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from chatctx.config import default_home
+from chatctx.engine import Engine
+from chatctx.monitor import percentile
+from chatctx.session import ChatSession
+from chatctx.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def question(client: int, turn: int) -> str:
+    return f"Customer {client} asks, for the {turn}th time: where is my parcel 10{client}?"
+
+
+def figures(ttfts: list[float], evaluated: list[int], elapsed: float, turns: int) -> dict[str, Any]:
+    return {
+        "turns": turns,
+        "elapsed_s": round(elapsed, 2),
+        "turns_per_s": round(turns / elapsed, 3),
+        "ttft_p50_ms": round(percentile(ttfts, 50) or 0, 1),
+        "ttft_p95_ms": round(percentile(ttfts, 95) or 0, 1),
+        "evaluated_per_turn": round(sum(evaluated) / len(evaluated), 1) if evaluated else None,
+    }
+
+
+# over HTTP ---------------------------------------------------------------------------------
+
+
+async def sse_turn(
+    http: httpx.AsyncClient, body: dict[str, Any]
+) -> tuple[float, str, dict[str, Any]]:
+    """One streamed turn: (TTFT ms, reply, the final chunk's chatctx figures)."""
+    started = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    extension: dict[str, Any] = {}
+    async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk["choices"]:
+                continue
+            if first is None:
+                first = (time.perf_counter() - started) * 1000
+            parts.append(chunk["choices"][0]["delta"].get("content") or "")
+            extension = chunk.get("chatctx") or extension
+    assert first is not None
+    return first, "".join(parts), extension
+
+
+async def http_load(url: str, args: argparse.Namespace, *, stateful: bool) -> dict[str, Any]:
+    ttfts: list[float] = []
+    evaluated: list[int] = []
+    limits = httpx.Limits(max_connections=args.clients + 4)
+
+    async def customer(n: int) -> None:
+        history: list[dict[str, str]] = []
+        async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+            for turn in range(args.turns):
+                new = {"role": "user", "content": question(n, turn)}
+                body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn}
+                if stateful:
+                    body |= {"messages": [new], "conversation": f"bench-{n}"}
+                else:
+                    body |= {"messages": [*history, new]}
+                ttft, reply, extension = await sse_turn(http, body)
+                history += [new, {"role": "assistant", "content": reply}]
+                ttfts.append(ttft)
+                evaluated.append(int(extension["evaluated_tokens"]))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(customer(n) for n in range(args.clients)))
+    return figures(ttfts, evaluated, time.perf_counter() - started, args.clients * args.turns)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "chatctx", "serve", "--port", str(port), "--model", str(model),
+        "--db", f"sqlite:///{folder / 'serve.db'}", "--n-ctx", str(args.n_ctx),
+        "--slots", str(args.slots), "--max-concurrent-turns", str(args.clients),
+        "--no-access-log",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CHATCTX_HOME": str(folder / "home")}
+    with (folder / "serve.log").open("wb") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((folder / "serve.log").read_text()[-2000:])
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
+# in process --------------------------------------------------------------------------------
+
+
+async def in_process(model: Path, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    ttfts: list[float] = []
+    evaluated: list[int] = []
+    with (
+        Engine.load(model, n_ctx=args.n_ctx, slots=args.slots) as engine,
+        Store(f"sqlite:///{folder / 'inprocess.db'}") as store,
+    ):
+
+        async def customer(n: int) -> None:
+            session = await asyncio.to_thread(
+                ChatSession.open,
+                store,
+                conversation_id=f"bench-{n}",
+                model=engine,
+                settings={"max_tokens": args.max_tokens},
+            )
+            try:
+                for turn in range(args.turns):
+                    session.store.update_conversation(
+                        session.conversation_id,
+                        settings=session.conversation_settings()
+                        .updated(generation={"seed": turn})
+                        .to_json(),
+                    )
+                    started = time.perf_counter()
+                    first: float | None = None
+                    async for _ in session.astream(question(n, turn)):
+                        if first is None:
+                            first = (time.perf_counter() - started) * 1000
+                    assert first is not None and session.last_reply is not None
+                    ttfts.append(first)
+                    evaluated.append(session.last_reply.usage.evaluated_tokens)
+            finally:
+                await asyncio.to_thread(session.close)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(customer(n) for n in range(args.clients)))
+        elapsed = time.perf_counter() - started
+    return figures(ttfts, evaluated, elapsed, args.clients * args.turns)
+
+
+# main --------------------------------------------------------------------------------------
+
+
+def tiny_model() -> Path:
+    from chatctx.testing import write_tiny_llama3
+
+    path = default_home() / "bench" / "tiny-llama3.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_llama3(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="GGUF (default: tiny Llama 3)")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--n-ctx", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args()
+    model = args.model or tiny_model()
+    results: dict[str, Any] = {"model": model.name, **{k: v for k, v in vars(args).items()}}
+    results["model"] = model.name
+    results.pop("json")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for name in ("serve", "stateless"):
+            (folder / name).mkdir()
+            with server(model, args, folder / name) as url:
+                results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
+            print(name, results[name], flush=True)
+        os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
+        results["in_process"] = asyncio.run(in_process(model, args, folder))
+        print("in_process", results["in_process"], flush=True)
+    serve, local, stateless = results["serve"], results["in_process"], results["stateless"]
+    results["ratios"] = {
+        "throughput_serve_vs_in_process": round(serve["turns_per_s"] / local["turns_per_s"], 3),
+        "ttft_p50_serve_vs_in_process": round(serve["ttft_p50_ms"] / local["ttft_p50_ms"], 3),
+        "ttft_p95_serve_vs_in_process": round(serve["ttft_p95_ms"] / local["ttft_p95_ms"], 3),
+        "evaluated_per_turn_stateless_vs_stateful": round(
+            stateless["evaluated_per_turn"] / serve["evaluated_per_turn"], 2
+        ),
+    }
+    print(json.dumps(results["ratios"], indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

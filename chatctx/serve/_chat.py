@@ -1,0 +1,391 @@
+"""``POST /v1/chat/completions``: stateful (``conversation``) and stateless turns.
+
+Stateful: the conversation is stored under the tenant's name; leading system messages set
+its system prompt, earlier user/assistant messages of the request are appended as they
+are, the last (user) message is the turn. The server builds the context itself.
+
+Stateless: the request's messages become an ephemeral conversation in an in-memory store
+(deleted after the reply), fitted to the budget like any other (older turns dropped, no
+summary, no recall); its slot is named after the chat's opening, so a client resending
+the whole history finds its prefix cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from chatctx.config import ConversationSettings, GenerationSettings
+from chatctx.errors import ChatctxError
+from chatctx.serve._errors import APIError, error_body, from_chatctx
+from chatctx.serve._schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    completion,
+    completion_chunk,
+    usage_dict,
+)
+from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateless_owner
+from chatctx.serve._tenants import Tenant
+from chatctx.serve._turn import TurnRun
+from chatctx.session import ChatSession
+
+__all__ = ["chat_completion"]
+
+logger = logging.getLogger("chatctx.serve")
+
+
+@dataclass
+class _Plan:
+    """A request split into what is stored and what is sent."""
+
+    system_prompt: str | None
+    earlier: list[dict[str, Any]]  # appended before the turn
+    text: str  # the turn's user message
+
+
+def _split(request: ChatCompletionRequest, max_chars: int) -> _Plan:
+    messages = request.messages
+    systems: list[str] = []
+    index = 0
+    while index < len(messages) and messages[index].stored_role == "system":
+        systems.append(messages[index].text())
+        index += 1
+    rest: list[ChatMessage] = messages[index:]
+    for offset, message in enumerate(rest):
+        if message.stored_role == "system":
+            raise APIError(
+                400,
+                "system messages must come before the others",
+                param=f"messages[{index + offset}].role",
+                code="invalid_value",
+            )
+    for i, message in enumerate(messages):
+        if len(message.text()) > max_chars:
+            raise APIError(
+                400,
+                f"message {i} is longer than {max_chars} characters",
+                param=f"messages[{i}].content",
+                code="string_above_max_length",
+            )
+    if not rest or rest[-1].role != "user":
+        raise APIError(
+            400,
+            "the last message must be the user's",
+            param="messages",
+            code="invalid_value",
+        )
+    if not rest[-1].text().strip():
+        raise APIError(
+            400, "the last message is empty", param=f"messages[{len(messages) - 1}].content"
+        )
+    earlier = [{"role": m.role, "content": m.text(), "name": m.name} for m in rest[:-1]]
+    return _Plan(
+        system_prompt="\n\n".join(systems) if systems else None,
+        earlier=earlier,
+        text=rest[-1].text(),
+    )
+
+
+def _generation(request: ChatCompletionRequest) -> GenerationSettings:
+    try:
+        return GenerationSettings.model_validate(request.generation_overrides())
+    except ValidationError as exc:
+        raise APIError(400, f"invalid sampling settings: {exc}", code="invalid_value") from exc
+
+
+def _apply(session: ChatSession, plan: _Plan, generation: GenerationSettings) -> None:
+    """Store the request's settings, system prompt and earlier messages (a worker thread)."""
+    conversation = session.store.get_conversation(session.conversation_id)
+    stored = ConversationSettings.parse(conversation.settings)
+    if stored.generation != generation:
+        merged = ConversationSettings(generation=generation, context=stored.context)
+        session.store.update_conversation(session.conversation_id, settings=merged.to_json())
+    if plan.system_prompt is not None and plan.system_prompt != conversation.system_prompt:
+        session.store.update_conversation(session.conversation_id, system_prompt=plan.system_prompt)
+    if plan.earlier:
+        session.store.add_messages(session.conversation_id, plan.earlier)
+    session.budget()  # a reply limit that leaves no room for a prompt: ConfigError now
+
+
+@dataclass
+class _Turn:
+    """Everything one request holds while its reply is generated."""
+
+    service: Service
+    tenant: Tenant
+    request: ChatCompletionRequest
+    session: ChatSession
+    run: TurnRun
+    cancel: asyncio.Event
+    conversation: str | None  # the client's id; None when stateless
+    stored_id: str
+    log: dict[str, Any]
+    cleanup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    _closed: bool = False
+
+    async def close(self) -> None:
+        """End the reply if still going, then give back locks and slots (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.run.close()
+        finally:
+            self.service.turn_ended(self.cancel)
+            for step in reversed(self.cleanup):
+                try:
+                    await step()
+                except Exception as exc:
+                    logger.warning("cleanup after a turn failed: %s", exc)
+            self._account()
+
+    def usage(self) -> dict[str, Any] | None:
+        reply = self.run.reply
+        if reply is None or reply.turn is None:
+            return None
+        t = reply.turn
+        return usage_dict(t.prompt_tokens, t.generated_tokens, t.reused_tokens)
+
+    def extension(self) -> dict[str, Any]:
+        reply = self.run.reply
+        turn = reply.turn if reply is not None else None
+        return {
+            "conversation": self.conversation,
+            "stop_reason": self.run.stop_reason,
+            "partial": self.run.cut not in (None, "stop")
+            or (reply is not None and reply.stop_reason not in ("eog", "length")),
+            "turn_id": turn.id if turn is not None else None,
+            "evaluated_tokens": turn.evaluated_tokens if turn is not None else None,
+            "ttft_ms": turn.ttft_ms if turn is not None else None,
+            "slot": turn.slot if turn is not None else None,
+            "swap_in": turn.swap_in if turn is not None else None,
+        }
+
+    def _account(self) -> None:
+        reply = self.run.reply
+        turn = reply.turn if reply is not None else None
+        finish = self.run.finish_reason
+        self.log.update(finish_reason=finish, stop_reason=self.run.stop_reason)
+        if turn is None:
+            return
+        self.log.update(
+            prompt_tokens=turn.prompt_tokens,
+            cached_tokens=turn.reused_tokens,
+            completion_tokens=turn.generated_tokens,
+            ttft_ms=None if turn.ttft_ms is None else round(turn.ttft_ms, 1),
+            slot=turn.slot,
+        )
+        self.service.metrics.observe_turn(
+            mode="stateful" if self.conversation else "stateless",
+            finish=finish,
+            prompt=turn.prompt_tokens,
+            cached=turn.reused_tokens,
+            evaluated=turn.evaluated_tokens,
+            completion=turn.generated_tokens,
+            ttft_s=None if turn.ttft_ms is None else turn.ttft_ms / 1000,
+        )
+        self.service.record(
+            {
+                "tenant": self.tenant.name,
+                "conversation": self.conversation,
+                "at": time.time(),
+                "prompt_tokens": turn.prompt_tokens,
+                "cached_tokens": turn.reused_tokens,
+                "evaluated_tokens": turn.evaluated_tokens,
+                "completion_tokens": turn.generated_tokens,
+                "hit_ratio": turn.reused_tokens / turn.prompt_tokens
+                if turn.prompt_tokens
+                else None,
+                "ttft_ms": turn.ttft_ms,
+                "slot": turn.slot,
+                "swap_in": turn.swap_in,
+                "finish_reason": finish,
+            }
+        )
+
+
+async def _open_turn(
+    service: Service, tenant: Tenant, request: ChatCompletionRequest, log: dict[str, Any]
+) -> _Turn:
+    """Check limits, take locks, store what the request adds and start the reply."""
+    _, backend = service.require_ready()
+    limits = service.config.limits
+    if len(request.messages) > limits.max_messages:
+        raise APIError(
+            400,
+            f"at most {limits.max_messages} messages per request",
+            param="messages",
+            code="array_above_max_length",
+        )
+    plan = _split(request, limits.max_message_chars)
+    generation = _generation(request)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.request_timeout_s
+    cleanup: list[Callable[[], Awaitable[None]]] = []
+
+    async def unwind() -> None:
+        for step in reversed(cleanup):
+            with contextlib.suppress(Exception):
+                await step()
+
+    service.limiter.acquire(tenant)
+
+    async def release_tenant() -> None:
+        service.limiter.release(tenant)
+
+    cleanup.append(release_tenant)
+    try:
+        if request.conversation is not None:
+            stored_id = tenant.stored_id(request.conversation)
+            log["conversation"] = request.conversation
+            await service.locks.acquire(stored_id)
+
+            async def release_lock() -> None:
+                service.locks.release(stored_id)
+
+            cleanup.append(release_lock)
+            session = await service.session(stored_id)
+        else:
+            assert service.ephemeral is not None
+            ephemeral = service.ephemeral
+            stored_id = f"stateless-{uuid.uuid4().hex}"
+            opening = [(m.stored_role, m.text()) for m in request.messages[:2]]
+            session = await asyncio.to_thread(
+                ChatSession.open,
+                ephemeral,
+                conversation_id=stored_id,
+                model=OwnedAs(backend, stateless_owner(tenant.name, opening)),
+                context=STATELESS_CONTEXT,
+            )
+
+            async def drop_ephemeral() -> None:
+                await asyncio.to_thread(session.close)
+                await asyncio.to_thread(ephemeral.delete_conversation, stored_id)
+
+            cleanup.append(drop_ephemeral)
+        await asyncio.to_thread(_apply, session, plan, generation)
+    except BaseException:
+        await unwind()
+        raise
+    cancel = service.turn_started()
+    run = TurnRun(session, plan.text, stops=request.stop_list(), deadline=deadline, cancel=cancel)
+    return _Turn(
+        service=service,
+        tenant=tenant,
+        request=request,
+        session=session,
+        run=run,
+        cancel=cancel,
+        conversation=request.conversation,
+        stored_id=stored_id,
+        log=log,
+        cleanup=cleanup,
+    )
+
+
+async def chat_completion(
+    service: Service, tenant: Tenant, request: ChatCompletionRequest, log: dict[str, Any]
+) -> Response:
+    """Answer one chat completion request (JSON, or an SSE stream)."""
+    log["stream"] = request.stream
+    turn = await _open_turn(service, tenant, request, log)
+    retry_after = service.config.limits.retry_after_s
+    try:
+        first = await turn.run.next_delta()  # errors before any output are HTTP errors
+    except ChatctxError as exc:
+        await turn.close()
+        raise from_chatctx(exc, retry_after=retry_after) from exc
+    except BaseException:
+        await turn.close()
+        raise
+    if first is None and turn.run.reply is None:
+        await turn.close()
+        if turn.run.cut == "timeout":
+            raise APIError(504, "no reply within the request timeout", code="timeout")
+        if turn.run.cut == "drain":
+            raise APIError(503, "the server is shutting down", code="draining")
+        raise APIError(503, "the reply was not stored", code="not_stored")
+    if request.stream:
+        return _SSEResponse(_events(turn, first), turn)
+    parts = [first] if first else []
+    try:
+        while (delta := await turn.run.next_delta()) is not None:
+            parts.append(delta)
+    finally:
+        await turn.close()
+    return JSONResponse(
+        completion(
+            id=turn.id,
+            model=service.model_id,
+            text="".join(parts),
+            finish_reason=turn.run.finish_reason,
+            usage=turn.usage(),
+            chatctx=turn.extension(),
+            created=turn.created,
+        )
+    )
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:
+    service = turn.service
+    model = service.model_id
+
+    def chunk(**kwargs: Any) -> bytes:
+        return _sse(completion_chunk(id=turn.id, model=model, created=turn.created, **kwargs))
+
+    try:
+        yield chunk(delta={"role": "assistant", "content": first or ""})
+        try:
+            while (delta := await turn.run.next_delta()) is not None:
+                yield chunk(delta={"content": delta})
+        except ChatctxError as exc:
+            await turn.close()
+            error = from_chatctx(exc)
+            yield _sse(error_body(error.message, type=error.type, code=error.code))
+            yield b"data: [DONE]\n\n"
+            return
+        await turn.close()
+        yield chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
+        options = turn.request.stream_options
+        if options is not None and options.include_usage:
+            yield chunk(usage=turn.usage())
+        yield b"data: [DONE]\n\n"
+    finally:
+        await turn.close()
+
+
+class _SSEResponse(StreamingResponse):
+    """A server-sent event stream that ends its turn however the response ends (a client
+    gone before the first byte included)."""
+
+    def __init__(self, content: AsyncIterator[bytes], turn: _Turn) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.turn = turn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.turn.close()

@@ -1,0 +1,264 @@
+"""OpenAI's chat completion shapes, as far as chatctx serves them.
+
+Requests are validated strictly: an unknown field is a 400 (``unknown_parameter``), a known
+OpenAI field chatctx cannot honour (tools, logprobs, ``n`` > 1 ...) a 400
+(``unsupported_parameter``), unless it is given its no-op value.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "CONVERSATION_ID",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "ErrorResponse",
+    "StreamOptions",
+    "TextPart",
+    "completion",
+    "completion_chunk",
+]
+
+# Conversation ids as clients give them: no whitespace, no "/" (they live in URL paths).
+CONVERSATION_ID = r"^[A-Za-z0-9_.:@+=-]{1,128}$"
+MAX_SEED = 2**32 - 1
+
+# Fields OpenAI defines that chatctx does not honour, with the values that change nothing.
+_NO_OP: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "web_search_options": (None,),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    """A text part of a message's content (other part types are unsupported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One message of a request (``developer`` is taken as ``system``)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise PydanticCustomError(
+                        "unsupported_content",
+                        "content parts of type {kind} are not supported (text only)",
+                        {"kind": str(kind)},
+                    )
+        return value
+
+    @property
+    def stored_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    """``POST /v1/chat/completions``; ``conversation`` (chatctx's own) makes it stateful."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"additionalProperties": False})
+
+    model: str | None = Field(None, max_length=256, description="Any name: one model is served.")
+    messages: list[ChatMessage] = Field(min_length=1)
+    conversation: str | None = Field(
+        None,
+        pattern=CONVERSATION_ID,
+        description="Stored conversation to continue (created on first use): send only the "
+        "new messages. Without it the request is stateless.",
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    user: str | None = Field(None, max_length=256)
+    # Known OpenAI fields without support: accepted only with their no-op value.
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        for name, allowed in _NO_OP.items():
+            if getattr(self, name) not in allowed:
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "{name} is not supported by chatctx serve",
+                    {"name": name},
+                )
+        stops = self.stop_list()
+        if len(stops) > 4 or any(not s for s in stops):
+            raise PydanticCustomError(
+                "invalid_stop", "stop takes up to 4 non-empty strings", {"name": "stop"}
+            )
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "invalid_stream_options",
+                "stream_options is only allowed with stream: true",
+                {"name": "stream_options"},
+            )
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def reply_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def generation_overrides(self) -> dict[str, Any]:
+        """The request's sampling fields as ``GenerationSettings`` fields."""
+        values = {
+            "max_tokens": self.reply_limit(),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer: ``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion(
+    *,
+    id: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, Any] | None,
+    chatctx: dict[str, Any],
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion`` object (``chatctx``: what the server did, an extension)."""
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage,
+        "chatctx": chatctx,
+    }
+
+
+def completion_chunk(
+    *,
+    id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    usage: dict[str, Any] | None = None,
+    chatctx: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; with ``delta`` None it carries no choice (the usage)."""
+    out: dict[str, Any] = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if usage is not None:
+        out["usage"] = usage
+    if chatctx is not None:
+        out["chatctx"] = chatctx
+    return out

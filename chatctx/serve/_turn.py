@@ -1,0 +1,181 @@
+"""One reply of a ``ChatSession`` as the HTTP side sees it: deltas, stop strings, cuts.
+
+``TurnRun`` drives ``ChatSession.astream``. It holds back text that may begin a stop string
+and ends the reply at one (the stored message is then cut there too, status complete). A
+deadline (the request timeout) or the drain signal cuts the reply where it is: the session
+stores it as ``partial`` and the client gets what was written, with finish_reason
+``length``. Leaving early (a client that hung up) ends it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from chatctx.session import ChatSession, Reply
+
+__all__ = ["TurnRun"]
+
+logger = logging.getLogger("chatctx.serve")
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that may be the start of a stop string."""
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                hold = max(hold, k)
+                break
+    return hold
+
+
+class TurnRun:
+    """A reply being generated: ``await next_delta()`` until None, then ``await finish()``."""
+
+    def __init__(
+        self,
+        session: ChatSession,
+        text: str,
+        *,
+        stops: list[str],
+        deadline: float,
+        cancel: asyncio.Event,
+    ) -> None:
+        self.session = session
+        self.stops = stops
+        self.deadline = deadline  # loop.time() when the reply is cut
+        self.cancel = cancel  # set when the server drains
+        self._before = session.last_reply
+        self._stream: AsyncIterator[str] = session.astream(text)
+        self.raw = ""  # what the model wrote (for a stop: up to it)
+        self.sent = 0  # characters of ``raw`` handed out
+        self.cut: str | None = None  # "stop" | "timeout" | "drain" | "gone"
+        self.started = False  # a first delta was asked for
+        self.finished = False
+        self.reply: Reply | None = None
+
+    async def next_delta(self) -> str | None:
+        """The next text to send (never empty), None at the end.
+
+        The first call raises what the session raises before any output (a
+        ``ContextBudgetError``, a closed store ...), so the caller can still answer an error.
+        """
+        self.started = True
+        while not self.finished:
+            chunk = await self._next_chunk()
+            if chunk is None:
+                await self._end()
+                tail = self.raw[self.sent :]
+                self.sent = len(self.raw)
+                return tail or None
+            self.raw += chunk
+            out = self._ready()
+            if self.cut == "stop":
+                await self._end()
+                return out or None
+            if out:
+                return out
+        return None
+
+    def _ready(self) -> str:
+        """Text that can go out now; a stop string found ends the reply before it."""
+        if self.stops:
+            start = max(0, self.sent - max(len(s) for s in self.stops))
+            found = [i for i in (self.raw.find(s, start) for s in self.stops) if i >= 0]
+            if found:
+                end = min(found)
+                self.cut = "stop"
+                self.raw = self.raw[:end]
+            else:
+                end = len(self.raw) - _held_back(self.raw, self.stops)
+        else:
+            end = len(self.raw)
+        out = self.raw[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out
+
+    async def _next_chunk(self) -> str | None:
+        step: asyncio.Future[Any] = asyncio.ensure_future(anext(self._stream))
+        stopper: asyncio.Future[Any] = asyncio.ensure_future(self.cancel.wait())
+        left = self.deadline - asyncio.get_running_loop().time()
+        try:
+            done, _ = await asyncio.wait(
+                {step, stopper}, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:  # the client hung up: end the reply, then go
+            self.cut = "gone"
+            await self._abandon(step)
+            raise
+        finally:
+            stopper.cancel()
+        if step in done:
+            try:
+                chunk: str = step.result()
+            except StopAsyncIteration:
+                return None
+            return chunk
+        self.cut = "drain" if self.cancel.is_set() else "timeout"
+        await self._abandon(step)
+        return None
+
+    async def _abandon(self, step: asyncio.Future[Any]) -> None:
+        """Cancel a pending chunk: the session ends the reply (stored as partial) and lets
+        go of its slot; this waits for that."""
+        step.cancel()
+        await asyncio.wait({step})
+        if not step.cancelled():
+            exc = step.exception()
+            if exc is not None and not isinstance(exc, StopAsyncIteration):
+                logger.warning("a cut reply ended with %s: %s", type(exc).__name__, exc)
+
+    async def _end(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()  # a stop string: the session stores the reply (then cut below)
+        reply = self.session.last_reply
+        self.reply = reply if reply is not self._before else None
+        if self.reply is None:
+            return
+        if self.cut == "stop":
+            if self.reply.message_id is not None:
+                await asyncio.to_thread(
+                    self.session.store.update_message,
+                    self.reply.message_id,
+                    content=self.raw,
+                    status="complete",
+                )
+        elif self.reply.text.startswith(self.raw):
+            # What the model wrote after the last chunk read here (a cut) goes out too, so
+            # the client has what is stored.
+            self.raw = self.reply.text
+
+    async def close(self) -> None:
+        """End the reply if it is still going (a client gone, an error); idempotent."""
+        if self.finished:
+            return
+        if self.cut is None:
+            self.cut = "gone"
+        with contextlib.suppress(Exception):
+            await self._end()
+
+    @property
+    def finish_reason(self) -> str:
+        if self.cut == "stop":
+            return "stop"
+        if self.cut is not None or self.reply is None:
+            return "length"
+        return "stop" if self.reply.stop_reason == "eog" else "length"
+
+    @property
+    def stop_reason(self) -> str:
+        """chatctx's own reason: eog, length, stop (a stop string), timeout, drain ..."""
+        if self.cut is not None:
+            return self.cut
+        return self.reply.stop_reason if self.reply is not None else "interrupted"
