@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from chatctx.config import EngineConfig, GenerationSettings, Settings
     from chatctx.engine import Engine
     from chatctx.errors import (
+        BackendUnavailable,
         ChatctxError,
         ClosedError,
         ConfigError,
@@ -54,6 +55,7 @@ _WHERE = {
     "chatctx.config": ("EngineConfig", "GenerationSettings", "Settings"),
     "chatctx.engine": ("Engine",),
     "chatctx.errors": (
+        "BackendUnavailable",
         "ChatctxError",
         "ClosedError",
         "ConfigError",
@@ -73,6 +75,7 @@ _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names
 
 __all__ = [
     "Backend",
+    "BackendUnavailable",
     "ChatSession",
     "ChatctxError",
     "ClosedError",

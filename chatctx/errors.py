@@ -11,6 +11,7 @@
     ├── ContextBudgetError     the prompt cannot fit the token budget
     ├── KVCacheError           llama.cpp found no KV slot or rejected a KV operation
     ├── GenerationError        decoding failed or was aborted
+    │   └── BackendUnavailable a backend (a llama-server) is down, loading or unreachable
     ├── DeadlineExceeded       a wait or a piece of work ran past its time limit
     └── ClosedError            a closed engine, context or session was used
 
@@ -21,6 +22,7 @@ Third-party errors are translated where they are raised (``engine/_native.py`` f
 from __future__ import annotations
 
 __all__ = [
+    "BackendUnavailable",
     "ChatctxError",
     "ClosedError",
     "ConfigError",
@@ -98,6 +100,24 @@ class GenerationError(ChatctxError):
     def __init__(self, message: str, *, code: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class BackendUnavailable(GenerationError):
+    """A backend could not serve: refused connection, still loading (503), dropped mid-reply.
+
+    ``backend`` names it (its URL for a llama-server), ``reason`` is a short word for metrics
+    and failover records ("refused", "loading", "disconnected", "timeout", "down"), ``status``
+    the HTTP status where there was one. A router marks the backend down and moves the
+    conversation; a turn that had produced no text yet is retried elsewhere.
+    """
+
+    def __init__(
+        self, message: str, *, backend: str, reason: str, status: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.reason = reason
+        self.status = status
 
 
 class DeadlineExceeded(ChatctxError):
