@@ -43,7 +43,7 @@ from chatctx.backend import (
     Stream,
     TextEmbedder,
 )
-from chatctx.errors import BackendUnavailable, ClosedError, ConfigError
+from chatctx.errors import BackendUnavailable, ChatctxError, ClosedError, ConfigError
 
 if TYPE_CHECKING:
     from chatctx.config import GenerationSettings
@@ -443,8 +443,8 @@ class Router(Closeable):
         state, local = self._split(lease.seq_id)
         with self._lock:
             state.leased = max(0, state.leased - 1)
-        if state.down is None and not state.backend.closed:
-            with contextlib.suppress(BackendUnavailable):
+        if not state.backend.closed:  # a down backend too: its slot is let go if it can be
+            with contextlib.suppress(ChatctxError):
                 state.backend.release(replace(lease, seq_id=local))
 
     def pin(self, conversation: str, seq_id: int) -> None:

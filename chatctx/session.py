@@ -729,6 +729,7 @@ class ChatSession(Closeable):
         replies: list[Reply] | None,
     ) -> Generator[str, None, None]:
         try:
+            lost: BackendUnavailable | None = None  # the backend failed to start it
             with turn.lock:
                 self._check_open()  # closed before the first chunk was asked for
                 built_at = time.perf_counter()
@@ -736,19 +737,19 @@ class ChatSession(Closeable):
                 turn.clock = (*leased, built_at, time.perf_counter())
                 turn.plan = built.plan
                 turn.replies = replies
-                assert turn.lease is not None
-                stream = turn.stream = self.engine.generate(
-                    built.tokens,
-                    seq_id=turn.lease.seq_id,
-                    settings=settings,
-                    eviction=eviction,
-                    history_start=built.plan.history_start,
-                )
+                try:
+                    self._generate(turn, built, settings, eviction)
+                except BackendUnavailable as exc:
+                    lost = exc
             failure: BaseException | None = None
             try:
                 while True:
                     try:
-                        for chunk in stream:
+                        if lost is not None:
+                            self._fail_over(turn, built, settings, eviction, lost)
+                            lost = None
+                        assert turn.stream is not None
+                        for chunk in turn.stream:
                             turn.yielded = True
                             self._turn_under_way.set()  # the first token is out
                             yield chunk
@@ -756,7 +757,7 @@ class ChatSession(Closeable):
                     except BackendUnavailable as exc:
                         if turn.yielded or turn.failovers >= MAX_FAILOVERS:
                             raise
-                        stream = self._fail_over(turn, built, settings, eviction, exc)
+                        lost = exc
             except GeneratorExit:  # the reader let go: the reply so far is stored
                 raise
             except BaseException as exc:
@@ -764,11 +765,24 @@ class ChatSession(Closeable):
                 raise
             finally:
                 self._turn_under_way.set()
-                stream = turn.stream or stream
-                stream.close()
+                if turn.stream is not None:
+                    turn.stream.close()
                 self._finish_turn(turn, failure)
         finally:
             self._end_turn(turn)
+
+    def _generate(
+        self, turn: TurnInFlight, built: BuildResult, settings: GenerationSettings, eviction: str
+    ) -> Stream:
+        assert turn.lease is not None
+        stream = turn.stream = self.engine.generate(
+            built.tokens,
+            seq_id=turn.lease.seq_id,
+            settings=settings,
+            eviction=eviction,
+            history_start=built.plan.history_start,
+        )
+        return stream
 
     def _fail_over(
         self,
@@ -777,7 +791,7 @@ class ChatSession(Closeable):
         settings: GenerationSettings,
         eviction: str,
         exc: BackendUnavailable,
-    ) -> Stream:
+    ) -> None:
         """The backend went away before this turn's first token: run it again on the slot
         a new lease gives (a router places the conversation on another backend). The user
         message is stored once; the record says why the prompt was prefilled again."""
@@ -789,27 +803,23 @@ class ChatSession(Closeable):
         )
         turn.failovers += 1
         with turn.lock:
-            old = turn.lease
-            if turn.stream is not None:
-                turn.stream.close()
-            turn.lease = None
-            if old is not None and not self.engine.closed:
-                with contextlib.suppress(ChatctxError):
-                    self.engine.release(old)
+            old, stream = turn.lease, turn.stream
+            turn.lease = turn.stream = None
+            if stream is not None:
+                stream.close()
+            if old is not None:
+                if self._lease is old:
+                    self._lease = None
+                if not self.engine.closed:
+                    with contextlib.suppress(ChatctxError):
+                        self.engine.release(old)
         lease = self._lease_slot(turn)
-        if lease.reprefill_reason is None:
+        if lease.reprefill_reason is None and lease.swap_in is None:
             lease = replace(lease, reprefill_reason=f"failover: {exc.backend} {exc.reason}")
             turn.lease = self._lease = lease
         with turn.lock:
             self._check_open()
-            stream = turn.stream = self.engine.generate(
-                built.tokens,
-                seq_id=lease.seq_id,
-                settings=settings,
-                eviction=eviction,
-                history_start=built.plan.history_start,
-            )
-        return stream
+            self._generate(turn, built, settings, eviction)
 
     def _finish_turn(self, turn: TurnInFlight, failure: BaseException | None = None) -> None:
         """Store what the turn generated with its record (once, whoever calls it).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from chatctx import ChatSession, ConfigError, Engine, GenerationSettings
+from chatctx import BackendUnavailable, ChatSession, ConfigError, Engine, GenerationSettings
 from chatctx.router import SEQ_STRIDE, Router
 from chatctx.store import Store
 from tests.llama_counters import counted, prime_counters
@@ -171,3 +171,61 @@ def test_router_refuses_backends_of_different_models(
 ) -> None:
     with _engine(tiny_llama3_path) as tiny, pytest.raises(ConfigError, match="one model"):
         Router([tiny, smol_engine], health_interval=None)
+
+
+class _Cut:
+    """An engine behind a link that can be cut: once ``cut``, its health check and every
+    generation fail the way a llama-server that went away does (before the first token)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cut = False
+        self.name = "flaky"
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def health(self) -> None:
+        if self.cut:
+            raise BackendUnavailable("connection refused", backend=self.name, reason="refused")
+
+    def generate(self, prompt: object, **options: object) -> object:
+        stream = self.engine.generate(prompt, **options)  # type: ignore[arg-type]
+        if not self.cut:
+            return stream
+        stream.close()
+        raise BackendUnavailable("connection refused", backend=self.name, reason="refused")
+
+
+def test_a_turn_whose_backend_fails_before_its_first_token_runs_on_another(
+    engines: dict[str, Engine], db_url: str
+) -> None:
+    flaky = _Cut(engines["a"])
+    with (
+        Store(db_url) as store,
+        Router([flaky, engines["b"]], store=store, health_interval=None) as router,
+    ):
+        ids = [f"r{i}" for i in range(8)]
+        for cid in ids:
+            _talk(store, router, cid, "my order number is 4471")
+        on_flaky = [c for c in ids if router.placement(c) == "flaky"]
+        assert on_flaky, "rendezvous put nothing on the flaky backend"
+        flaky.cut = True
+        cid = on_flaky[0]
+        with ChatSession.open(store, conversation_id=cid, model=router, settings=GREEDY) as chat:
+            reply = chat.send("what was my order number?")
+        assert reply.stop_reason in ("eog", "length")
+        messages = store.messages(cid)
+        assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
+        assert all(m.status == "complete" for m in messages)
+        last = store.turns(cid)[-1]
+        assert last.backend == router.names[1]
+        assert last.reprefill_reason is not None and "flaky" in last.reprefill_reason
+        assert last.reused_tokens == 0  # b never held this conversation: all prefilled
+        # The router took the backend out and moved all of its conversations.
+        assert {s["backend"]: s["state"] for s in router.stats()}["flaky"] == "down"
+        assert all(router.placement(c) == router.names[1] for c in on_flaky)
+        # It comes back (health check passes): it takes new conversations again.
+        flaky.cut = False
+        router.check()
+        assert {s["backend"]: s["state"] for s in router.stats()}["flaky"] == "up"
