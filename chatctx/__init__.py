@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         ModelError,
         StoreError,
     )
+    from chatctx.llama_server import LlamaServerBackend
     from chatctx.session import ChatSession, Reply
     from chatctx.store import Conversation, Message, Store, Turn
 
@@ -68,6 +69,7 @@ _WHERE = {
         "ModelError",
         "StoreError",
     ),
+    "chatctx.llama_server": ("LlamaServerBackend",),
     "chatctx.session": ("ChatSession", "Reply"),
     "chatctx.store": ("Conversation", "Message", "Store", "Turn"),
 }
@@ -93,6 +95,7 @@ __all__ = [
     "ImportFormatError",
     "KVCacheError",
     "Lease",
+    "LlamaServerBackend",
     "Message",
     "ModelError",
     "ModelInfo",
