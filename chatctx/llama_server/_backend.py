@@ -435,17 +435,24 @@ class LlamaServerBackend(PooledLeases, Closeable):
 
     def import_state(self, conversation: str, filename: str) -> bool:
         """Lease a slot for ``conversation`` and restore a saved state into it (a file in the
-        server's ``--slot-save-path``); True when tokens were restored."""
+        server's ``--slot-save-path``); True when tokens were restored, False when the
+        server has no such file (or it does not fit)."""
         self._check_open()
         if self.slot_save_path is None:
             return False
         lease = self.lease(conversation, timeout=CLOSE_WAIT_S)
         try:
-            body = self._post(
-                f"/slots/{lease.seq_id}?action=restore",
-                {"filename": filename},
-                f"restoring slot {lease.seq_id}",
-            )
+            try:
+                body = self._post(
+                    f"/slots/{lease.seq_id}?action=restore",
+                    {"filename": filename},
+                    f"restoring slot {lease.seq_id}",
+                )
+            except BackendUnavailable:
+                raise
+            except GenerationError as exc:  # no such file, or one that does not fit
+                logger.info("%s: %s", self.name, exc)
+                return False
             restored = int(body.get("n_restored") or 0)
             with self._lock:
                 self._mirror[lease.seq_id] = []  # tokens unknown here: the server knows them
