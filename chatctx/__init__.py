@@ -36,7 +36,6 @@ if TYPE_CHECKING:
         ModelError,
         StoreError,
     )
-    from chatctx.llama_server import LlamaServerBackend
     from chatctx.session import ChatSession, Reply
     from chatctx.store import Conversation, Message, Store, Turn
 
@@ -69,7 +68,6 @@ _WHERE = {
         "ModelError",
         "StoreError",
     ),
-    "chatctx.llama_server": ("LlamaServerBackend",),
     "chatctx.session": ("ChatSession", "Reply"),
     "chatctx.store": ("Conversation", "Message", "Store", "Turn"),
 }
@@ -95,7 +93,6 @@ __all__ = [
     "ImportFormatError",
     "KVCacheError",
     "Lease",
-    "LlamaServerBackend",
     "Message",
     "ModelError",
     "ModelInfo",
