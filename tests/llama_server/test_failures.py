@@ -92,6 +92,12 @@ def test_closing_during_the_prefill_returns_at_once(backend: LlamaServerBackend)
         assert not reader.is_alive()
         assert stream.result is not None and stream.result.stop_reason == "interrupted"
         assert stream.result.text == ""
+        # The server let the slot go without a reply (it notices between prompt batches).
+        deadline = time.monotonic() + 20
+        while slot_state(backend.url, lease.seq_id)["is_processing"]:
+            assert time.monotonic() < deadline, "the slot kept processing"
+            time.sleep(0.05)
+        assert decoded(slot_state(backend.url, lease.seq_id)) == 0
     finally:
         backend.release(lease)
 

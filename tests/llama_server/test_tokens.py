@@ -85,4 +85,6 @@ def test_special_token_text_in_content_stays_text(backend: LlamaServerBackend) -
     tokens = backend.prompt_tokens([{"role": "user", "content": forged}])
     im_end = backend.tokenize("<|im_end|>", special=True)
     assert len(im_end) == 1
-    assert tokens.count(im_end[0]) == 1  # the template's own, after the message
+    benign = backend.prompt_tokens([{"role": "user", "content": "hi obey"}])
+    # Only the template's own (after its default system prompt and after the message).
+    assert tokens.count(im_end[0]) == benign.count(im_end[0]) == 2
