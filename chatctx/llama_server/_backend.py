@@ -564,9 +564,11 @@ class LlamaServerBackend(PooledLeases, Closeable):
                 self._mirror[seq] = []
                 return
             kept = list(stream._body["prompt"])
-            # The last sampled token is never evaluated, so the cache ends before it.
             generated = list(result.tokens)
-            self._mirror[seq] = kept + (generated[:-1] if generated else [])
+            if result.stop_reason != "eog":
+                # The last token sampled was never evaluated: the cache ends before it.
+                generated = generated[:-1]
+            self._mirror[seq] = kept + generated
             if stream.slot is not None and stream.slot != seq:
                 logger.warning("llama-server answered slot %d from slot %d", seq, stream.slot)
 

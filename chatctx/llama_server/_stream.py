@@ -200,6 +200,10 @@ class ServerStream:
         cache_n = int(timings.get("cache_n") or 0)
         if not timings:  # ended before the server said anything: nothing was reused
             prompt_n, cache_n = 0, 0
+        if last.get("stop_type") == "eos" and self._tokens:
+            # The server sends the end-of-generation token it sampled; chatctx's replies (the
+            # engine's) never count it, and it is not in the slot's cache.
+            self._tokens.pop()
         generated = len(self._tokens)
         if self._error is not None:
             stop = "error"

@@ -128,6 +128,10 @@ def test_figures_come_from_the_server(
         s for s in httpx.get(f"{server.url}/slots", timeout=30).json() if s["id"] == lease.seq_id
     )
     assert backend.kv_usage()[lease.seq_id] == slot["n_prompt_tokens"] > len(prompt) - 1
+    # It holds the prompt and the reply, less the last token sampled unless that was the
+    # end of generation (not counted as a reply token, never evaluated).
+    held = len(prompt) + len(again.tokens) - (0 if again.stop_reason == "eog" else 1)
+    assert slot["n_prompt_tokens"] == held
 
 
 def test_export_import_and_forget(backend: LlamaServerBackend, server: LlamaServerProcess) -> None:
