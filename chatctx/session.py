@@ -152,6 +152,7 @@ class ChatSession(Closeable):
         engine_options: Mapping[str, Any] | None = None,
         seq_id: int | None = None,
         embedder: TextEmbedder | None = None,
+        backend: Backend | None = None,
     ) -> ChatSession:
         """Open (or create) a conversation.
 
@@ -166,7 +167,15 @@ class ChatSession(Closeable):
         ``on_turn`` is called with each stored turn record (tokens, KV events, timings).
         ``embedder`` ranks evicted messages for recall by meaning instead of the backend's
         (``Backend.embedder()``: the local all-MiniLM-L6-v2 when it is installed).
+        ``backend`` is a running backend (an ``Engine``, a ``LlamaServerBackend``), shared and
+        left open: the same as passing it as ``model``.
         """
+        if backend is not None:
+            if model is not None:
+                raise ConfigError("pass model or backend, not both")
+            if not isinstance(backend, Backend):
+                raise ConfigError(f"backend must be a chatctx Backend, not {type(backend)!r}")
+            model = backend
         generation = _settings(settings) if settings is not None else None
         context_settings = _context_settings(context) if context is not None else None
         owns_store = not isinstance(db, Store)

@@ -1,0 +1,669 @@
+"""``LlamaServerBackend``: chatctx's ``Backend`` on one running llama.cpp ``llama-server``.
+
+chatctx keeps doing what it does with the in-process engine (render, count, trim whole
+turns, summarize, store, record) and sends each turn's exact token array to
+``POST /completion`` with ``cache_prompt`` on and ``id_slot`` pinned to the slot the
+conversation leased, so the server reuses that slot's cached prefix. The slots are the
+server's (``total_slots`` from ``GET /props``); the last one is kept for summaries
+(``side_generate``) so they never evict a customer's cache. A conversation needing a slot
+when all are taken gets the least recently used idle one: the server overwrites that slot's
+cache, and the conversation that had it re-evaluates its prompt when it comes back
+(``Lease.reprefill_reason`` says so).
+
+What differs from ``Engine``: the server reuses the common prefix only, never a shifted run
+(``KVReport.policy`` is ``"server"``; a shift chatctx could have made is named in
+``KVReport.fallback``); its repeat penalty's window also covers the prompt (the engine's covers
+the reply only), so replies match the engine's token for token at ``repeat_penalty=1.0``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from chatctx._resource import Closeable
+from chatctx.backend import (
+    Codec,
+    KVReport,
+    Lease,
+    MemorySnapshot,
+    ModelInfo,
+    TextEmbedder,
+)
+from chatctx.config import GenerationSettings
+from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec, tiktoken_encoding
+from chatctx.engine._embedder import local_embedder
+from chatctx.engine._gguf import model_facts, read_metadata
+from chatctx.engine._kv import common_prefix, plan_reuse
+from chatctx.engine._models import resolve_model_path
+from chatctx.engine._slots import PooledLeases, SlotPool
+from chatctx.engine._swap import SwapHit
+from chatctx.engine._template import template_for
+from chatctx.errors import (
+    BackendUnavailable,
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+    GenerationError,
+    ModelError,
+)
+from chatctx.llama_server._http import check, require_httpx, translated
+from chatctx.llama_server._stream import ServerStream
+
+__all__ = ["LlamaServerBackend"]
+
+logger = logging.getLogger("chatctx.llama_server")
+
+CLOSE_WAIT_S = 10.0  # close() waits this long for sessions to give their slots back
+_NO_SWAP = SwapHit(None, None, None)
+LOST = "slot taken by another conversation (llama-server keeps no swap)"
+
+
+class LlamaServerBackend(PooledLeases, Closeable):
+    """A ``Backend`` on the llama-server at ``url`` (``http://127.0.0.1:8080``).
+
+    ``model`` is the GGUF the server runs (or the same tokenizer and template): chatctx
+    renders and counts with it locally; None means ``CHATCTX_MODEL`` or the embedded default.
+    At start ``GET /props`` is read and a mismatch refused with ``ConfigError``: ``n_ctx``
+    (tokens per slot) given and different from the server's, a vocabulary that tokenizes the
+    probe texts differently from the server's ``/tokenize``, too few slots (two with
+    ``summary_slot``). ``timeout`` bounds each read from the server (seconds; a silent
+    server raises ``BackendUnavailable(reason="timeout")``); ``wait_ready`` waits that long
+    for ``/health`` (a server still loading). ``slot_save_path`` is the server's
+    ``--slot-save-path`` (``export_state``/``import_state``/``forget`` need it). ``embedder``
+    ranks recall by meaning (default: the local all-MiniLM-L6-v2 when installed). ``name`` is
+    how errors and records call it (default: the URL).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | Path | None = None,
+        n_ctx: int | None = None,
+        summary_slot: bool = True,
+        timeout: float = 120.0,
+        wait_ready: float = 0.0,
+        slot_save_path: str | Path | None = None,
+        embedder: TextEmbedder | None = None,
+        name: str | None = None,
+        chat_template: str | None = None,
+        chat_format: str | None = None,
+    ) -> None:
+        require_httpx()
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"LlamaServerBackend takes one URL (http://host:port), not {url!r}; "
+                "several servers go behind a router"
+            )
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be positive, not {timeout}")
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self.model_path = resolve_model_path(model)
+        self.slot_save_path = None if slot_save_path is None else Path(slot_save_path)
+        self._embedder = embedder
+        self._chat = (chat_template, chat_format)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._side = threading.Lock()  # one summary at a time on the summary slot
+        self._side_running: tuple[threading.Event | None, ServerStream] | None = None
+        self._streams: set[ServerStream] = set()
+        self._lost: set[str] = set()  # conversations whose slot went to another
+        self._mirror: dict[int, list[int]] = {}  # what chatctx believes each slot holds
+        self._last_usage: dict[int, int] = {}
+        limit = httpx.Timeout(timeout, connect=min(timeout, 5.0))
+        self._client = httpx.Client(
+            base_url=self.url,
+            timeout=limit,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+        )
+        # Replies stream on connections of their own, never kept alive: each stream knows
+        # its socket from the moment it connects, so close() can shut it down mid-prefill.
+        self._stream_client = httpx.Client(
+            base_url=self.url,
+            timeout=limit,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+        )
+        try:
+            if wait_ready > 0:
+                self._wait_ready(wait_ready)
+            self.props = self._get("/props", "reading /props")
+            self._setup(n_ctx, summary_slot)
+            self._codec = self._open_codec()
+            self._check_vocabulary()
+        except BaseException:
+            self._client.close()
+            self._stream_client.close()
+            raise
+        logger.debug(
+            "llama-server %s: n_ctx=%d slots=%d summary slot=%s build=%s",
+            self.name,
+            self._n_ctx,
+            self.slots,
+            self.summary_seq,
+            self.props.get("build_info"),
+        )
+
+    # setup --------------------------------------------------------------------------------
+
+    def _setup(self, n_ctx: int | None, summary_slot: bool) -> None:
+        props = self.props
+        total = props.get("total_slots")
+        defaults = props.get("default_generation_settings") or {}
+        served = defaults.get("n_ctx")
+        if not isinstance(total, int) or not isinstance(served, int):
+            raise ConfigError(
+                f"{self.name}/props has no total_slots or default_generation_settings.n_ctx: "
+                "is this a llama-server?"
+            )
+        if n_ctx is not None and n_ctx != served:
+            raise ConfigError(
+                f"llama-server at {self.name} holds {served} tokens per slot, not n_ctx={n_ctx}: "
+                f"start it with -c {n_ctx * total} -np {total} (or leave n_ctx unset)"
+            )
+        needed = 2 if summary_slot else 1
+        if total < needed:
+            raise ConfigError(
+                f"llama-server at {self.name} has {total} slot(s); chatctx needs {needed} "
+                "(one kept for summaries): start it with -np 2 or more, or summary_slot=False"
+            )
+        self._n_ctx = served
+        self.total_slots = total
+        self.slots = total - 1 if summary_slot else total
+        self.summary_seq: int | None = total - 1 if summary_slot else None
+        self._mirror = {s: [] for s in range(total)}
+        self.pool = SlotPool(self.slots, swap_out=self._swap_out, swap_in=self._swap_in)
+
+    def _open_codec(self) -> PromptCodec:
+        template, fmt = self._chat
+
+        def remote(text: str, special: bool) -> list[int]:
+            return self.tokenize(text, special=special)
+
+        try:
+            return open_codec(
+                self.model_path, chat_template=template, chat_format=fmt, fallback=remote
+            )
+        except ModelError as exc:
+            logger.info("counting with the server's /tokenize: %s", exc)
+        _, _, meta, fingerprint = tiktoken_encoding(self.model_path)
+        full = read_metadata(
+            self.model_path, arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
+        )
+        tokens = full.get("tokenizer.ggml.tokens") or []
+        types = full.get("tokenizer.ggml.token_type") or []
+        specials = {
+            t: i for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k in (3, 4)
+        }
+        chat = template_for(
+            meta, chat_template=template, chat_format=fmt, path=str(self.model_path)
+        )
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        return LlamaCodec(
+            remote,
+            chat,
+            specials=specials,
+            bos=bos if isinstance(bos, int) else None,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            fingerprint=f"server-{fingerprint}-"
+            f"{hashlib.sha256(chat.source.encode()).hexdigest()[:8]}",
+        )
+
+    def _check_vocabulary(self) -> None:
+        """The local model must tokenize as the server's: probe texts through both."""
+        for probe in PROBES:
+            local = self._codec.encode(probe)
+            served = self.tokenize(probe, special=True)
+            if local != served:
+                raise ConfigError(
+                    f"the local model {self.model_path.name} tokenizes differently from the "
+                    f"llama-server at {self.name} (which runs {self.props.get('model_path')}): "
+                    f"{probe!r} is {local[:12]} here, {served[:12]} there; pass model= the "
+                    "GGUF the server runs"
+                )
+
+    def _wait_ready(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                self.health()
+                return
+            except BackendUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
+
+    # HTTP ---------------------------------------------------------------------------------
+
+    def _get(self, path: str, what: str) -> Any:
+        with translated(self.name, what):
+            return check(self._client.get(path), self.name, what)
+
+    def _post(self, path: str, body: Mapping[str, Any], what: str) -> Any:
+        with translated(self.name, what):
+            return check(self._client.post(path, json=dict(body)), self.name, what)
+
+    def health(self) -> None:
+        """Return when the server answers ``/health``; else ``BackendUnavailable``
+        (reason ``refused``, ``loading`` while it loads the model, ``down``)."""
+        self._get("/health", "health check")
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """The server's ``/tokenize`` of ``text`` (no BOS added)."""
+        body = self._post(
+            "/tokenize",
+            {"content": text, "add_special": False, "parse_special": special},
+            "tokenize",
+        )
+        return [int(t) for t in body.get("tokens", [])]
+
+    # facts --------------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens one slot of the server holds (its ``-c`` divided among ``-np`` slots)."""
+        return self._n_ctx
+
+    @property
+    def side_room(self) -> int:
+        return self._n_ctx if self.summary_seq is not None else 0
+
+    @property
+    def model_name(self) -> str:
+        return self.model_path.name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("llama-server backend")
+
+    def info(self) -> ModelInfo:
+        """The local GGUF's facts with the server's layout (slots, n_ctx, build)."""
+        facts = model_facts(read_metadata(self.model_path))
+        return ModelInfo(
+            path=self.model_path,
+            architecture=str(facts.get("architecture") or "unknown"),
+            description=f"llama-server at {self.name}",
+            n_params=0,
+            n_layer=facts.get("n_layer") or 0,
+            n_ctx_train=facts.get("n_ctx_train") or 0,
+            n_vocab=facts.get("vocab_size") or 0,
+            n_ctx=self._n_ctx,
+            n_seq_max=self.total_slots,
+            chat_template=getattr(self._codec.template, "name", "gguf"),
+            gpu_offload=False,
+            kv_bytes_per_token_f16=facts.get("kv_bytes_per_token_f16"),
+            slots=self.slots,
+            kv_cells=self._n_ctx * self.total_slots,
+            extra={
+                "backend": "llama-server",
+                "url": self.url,
+                "build_info": self.props.get("build_info"),
+                "server_model_path": self.props.get("model_path"),
+                "total_slots": self.total_slots,
+                "summary_slot": self.summary_seq,
+            },
+        )
+
+    def codec(self) -> Codec:
+        return self._codec
+
+    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self._codec.prompt_tokens(messages)
+
+    # slots --------------------------------------------------------------------------------
+
+    # lease, release, pin, unpin: PooledLeases over the server's slots (the summary one aside)
+
+    def _swap_out(self, seq_id: int, owner: str) -> None:
+        # The server keeps no swap: the next conversation's prompt overwrites the cache.
+        with self._lock:
+            self._lost.add(owner)
+            self._mirror[seq_id] = []
+
+    def _swap_in(self, seq_id: int, owner: str) -> tuple[SwapHit, float]:
+        with self._lock:
+            if owner in self._lost:
+                self._lost.discard(owner)
+                return SwapHit(None, None, LOST), 0.0
+        return _NO_SWAP, 0.0
+
+    def slot_of(self, conversation: str) -> int | None:
+        """The slot holding ``conversation``'s cache, None when it has none."""
+        slot = self.pool.slot_of(conversation)
+        return None if slot is None else slot.seq_id
+
+    def kv_usage(self) -> dict[int, int]:
+        """Tokens each server slot holds (``GET /slots``: ``n_prompt_tokens``).
+
+        Best effort: a server that cannot answer gives the last figures read (logged), so
+        that a turn's record is still stored when the server died under it.
+        """
+        try:
+            slots = self._get("/slots", "reading /slots")
+        except BackendUnavailable as exc:
+            logger.warning("kv usage of %s unknown: %s", self.name, exc)
+            return dict(self._last_usage)
+        usage = {
+            int(s["id"]): int(s.get("n_prompt_tokens") or 0)
+            for s in slots
+            if isinstance(s, dict) and "id" in s
+        }
+        self._last_usage = usage
+        return usage
+
+    def server_slots(self) -> list[dict[str, Any]]:
+        """``GET /slots`` as the server gives it (``is_processing``, ``n_prompt_tokens``...)."""
+        slots = self._get("/slots", "reading /slots")
+        return list(slots)
+
+    def memory(self) -> MemorySnapshot | None:
+        """None: the model's memory is the server's process, not this one."""
+        return None
+
+    def embedder(self) -> TextEmbedder | None:
+        """The given embedder, else the local all-MiniLM-L6-v2 when installed."""
+        return self._embedder if self._embedder is not None else local_embedder()
+
+    def clear(self, seq_id: int | None = None) -> None:
+        """Forget one slot's cache (or every slot's): erased on the server where it has a
+        ``--slot-save-path`` (the only way it allows), else just no longer reused."""
+        self._check_open()
+        seqs = range(self.total_slots) if seq_id is None else [seq_id]
+        for seq in seqs:
+            self._check_slot(seq, summary=True)
+            if any(s._body.get("id_slot") == seq for s in list(self._streams)):
+                raise ConfigError(f"slot {seq} is in use by a running generation")
+        for seq in seqs:
+            self._erase(seq)
+            with self._lock:
+                self._mirror[seq] = []
+            if seq < self.slots:
+                self.pool.forget(seq)
+
+    def _erase(self, seq: int) -> None:
+        if self.slot_save_path is not None:
+            self._post(f"/slots/{seq}?action=erase", {}, f"erasing slot {seq}")
+
+    def forget(self, conversation: str) -> None:
+        """Drop ``conversation``'s slot (erased on the server where it allows it)."""
+        self._check_open()
+        seq = self.slot_of(conversation)
+        with self._lock:
+            self._lost.discard(conversation)
+        if seq is None:
+            return
+        lease = self.pool.lease(conversation, timeout=CLOSE_WAIT_S)  # not while a turn runs
+        try:
+            self._erase(seq)
+            with self._lock:
+                self._mirror[seq] = []
+        finally:
+            self.pool.release(lease)
+            self.pool.forget(seq)
+
+    def export_state(self, conversation: str) -> str | None:
+        """Save ``conversation``'s slot on the server (``--slot-save-path``) and return the
+        file name there; None without a save path or when the conversation holds no slot."""
+        self._check_open()
+        if self.slot_save_path is None or self.slot_of(conversation) is None:
+            return None
+        lease = self.pool.lease(conversation, timeout=CLOSE_WAIT_S)
+        try:
+            if lease.reprefill_reason is not None:  # lost meanwhile: nothing to save
+                return None
+            filename = state_filename(conversation)
+            body = self._post(
+                f"/slots/{lease.seq_id}?action=save",
+                {"filename": filename},
+                f"saving slot {lease.seq_id}",
+            )
+            return filename if int(body.get("n_saved") or 0) > 0 else None
+        finally:
+            self.pool.release(lease)
+
+    def import_state(self, conversation: str, filename: str) -> bool:
+        """Lease a slot for ``conversation`` and restore a saved state into it (a file in the
+        server's ``--slot-save-path``); True when tokens were restored, False when the
+        server has no such file (or it does not fit)."""
+        self._check_open()
+        if self.slot_save_path is None:
+            return False
+        lease = self.lease(conversation, timeout=CLOSE_WAIT_S)
+        try:
+            try:
+                body = self._post(
+                    f"/slots/{lease.seq_id}?action=restore",
+                    {"filename": filename},
+                    f"restoring slot {lease.seq_id}",
+                )
+            except BackendUnavailable:
+                raise
+            except GenerationError as exc:  # no such file, or one that does not fit
+                logger.info("%s: %s", self.name, exc)
+                return False
+            restored = int(body.get("n_restored") or 0)
+            with self._lock:
+                self._mirror[lease.seq_id] = []  # tokens unknown here: the server knows them
+            return restored > 0
+        finally:
+            self.release(lease)
+
+    def _check_slot(self, seq_id: int, *, summary: bool = False) -> None:
+        top = self.total_slots if summary else self.slots
+        if not 0 <= seq_id < top:
+            raise ConfigError(
+                f"slot {seq_id} is not a conversation slot of {self.name}: "
+                f"slots are 0..{self.slots - 1}"
+                + (
+                    f", {self.summary_seq} is kept for summaries"
+                    if self.summary_seq is not None
+                    else ""
+                )
+            )
+
+    # generation ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        seq_id: int = 0,
+        settings: GenerationSettings | None = None,
+        eviction: str = "shift",
+        history_start: int | None = None,
+    ) -> ServerStream:
+        """Stream a reply to ``prompt`` (token ids) from server slot ``seq_id``.
+
+        A prompt longer than the slot raises ``ContextBudgetError`` (the server's verdict).
+        """
+        self._check_open()
+        self._check_slot(seq_id)
+        if eviction not in ("shift", "recompute"):
+            raise ConfigError(f"eviction must be 'shift' or 'recompute', not {eviction!r}")
+        if not prompt:
+            raise GenerationError("empty prompt")
+        return self._stream(prompt, seq_id, settings or GenerationSettings(), history_start)
+
+    def _stream(
+        self,
+        prompt: Sequence[int],
+        seq_id: int,
+        settings: GenerationSettings,
+        history_start: int | None,
+    ) -> ServerStream:
+        tokens = [int(t) for t in prompt]
+        body: dict[str, Any] = {
+            "prompt": tokens,
+            "id_slot": seq_id,
+            "cache_prompt": True,
+            "stream": True,
+            "return_tokens": True,
+            "timings_per_token": True,  # an interrupted reply still has its figures
+            "n_predict": settings.max_tokens,
+            "temperature": settings.temperature,
+            "top_k": settings.top_k,
+            "top_p": settings.top_p,
+            "min_p": settings.min_p,
+            "repeat_penalty": settings.repeat_penalty,
+            "repeat_last_n": settings.repeat_last_n,
+        }
+        if settings.seed is not None:
+            body["seed"] = settings.seed
+        with self._lock:
+            before = list(self._mirror[seq_id])
+
+        def report(cache_n: int, prompt_n: int) -> KVReport:
+            plan = plan_reuse(before, tokens, history_start=history_start)
+            shift = plan.prefix + plan.chunk_len if plan.chunks else 0
+            return KVReport(
+                policy="server",
+                reused_tokens=cache_n,
+                evaluated_tokens=prompt_n,
+                evicted_tokens=max(0, len(before) - cache_n),
+                shifted_tokens=0,
+                shift_count=0,
+                fallback="llama-server reuses the common prefix only (no in-place shift)"
+                if shift > cache_n
+                else None,
+            )
+
+        stream = ServerStream(
+            self._stream_client,
+            self.name,
+            body,
+            prompt=tokens,
+            n_ctx=self._n_ctx,
+            report=report,
+            done=self._ended,
+        )
+        with self._lock:
+            self._check_open()
+            self._streams.add(stream)
+        return stream
+
+    def _ended(self, stream: ServerStream) -> None:
+        seq = int(stream._body["id_slot"])
+        result = stream.result
+        with self._lock:
+            self._streams.discard(stream)
+            if result is None:
+                return
+            if result.kv is None:  # the server said nothing: what it holds is unknown
+                self._mirror[seq] = []
+                return
+            kept = list(stream._body["prompt"])
+            generated = list(result.tokens)
+            if result.stop_reason != "eog":
+                # The last token sampled was never evaluated: the cache ends before it.
+                generated = generated[:-1]
+            self._mirror[seq] = kept + generated
+            if stream.slot is not None and stream.slot != seq:
+                logger.warning("llama-server answered slot %d from slot %d", seq, stream.slot)
+
+    def expected_reuse(self, seq_id: int, prompt: Sequence[int]) -> int:
+        """The tokens of ``prompt`` the slot should reuse: the common prefix with what chatctx
+        believes it holds (the previous prompt and reply)."""
+        with self._lock:
+            return common_prefix(self._mirror[seq_id], list(prompt))
+
+    def side_generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        settings: GenerationSettings,
+        background: bool = False,
+        deadline: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> str:
+        """A summary on the summary slot; ``deadline`` (``time.monotonic()``) stops it with
+        ``DeadlineExceeded``, ``cancel_side(cancel)`` with ``GenerationError``."""
+        self._check_open()
+        seq = self.summary_seq
+        if seq is None:
+            raise ConfigError("side generations need the summary slot (summary_slot=True)")
+        room = self.side_room - len(prompt)
+        if room < 1:
+            raise GenerationError(
+                f"side prompt of {len(prompt)} tokens does not fit the summary slot "
+                f"({self.side_room} tokens)"
+            )
+        if settings.max_tokens > room:
+            settings = settings.model_copy(update={"max_tokens": room})
+        with self._side:
+            stream = self._stream(prompt, seq, settings, None)
+            self._side_running = (cancel, stream)
+            timer: threading.Timer | None = None
+            try:
+                if cancel is not None and cancel.is_set():
+                    raise GenerationError("side generation cancelled")
+                if deadline is not None:
+                    timer = threading.Timer(max(0.0, deadline - time.monotonic()), stream.close)
+                    timer.daemon = True
+                    timer.start()
+                for _ in stream:
+                    pass
+                if cancel is not None and cancel.is_set():
+                    raise GenerationError("side generation cancelled")
+                result = stream.result
+                if result is not None and result.stop_reason == "interrupted":
+                    raise DeadlineExceeded(
+                        "side generation not done before its deadline", what="summary"
+                    )
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                self._side_running = None
+                stream.close()
+            return stream.text
+
+    def cancel_side(self, cancel: threading.Event) -> None:
+        cancel.set()
+        running = self._side_running
+        if running is not None and running[0] is cancel:
+            running[1].close()
+
+    # lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End running replies (stop reason ``closed``), wait for their sessions to store
+        them and give their slots back (10 s at most), then close the HTTP client."""
+        if self._closed:
+            return
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.close(reason="closed")
+        if not self.pool.wait_released(CLOSE_WAIT_S):
+            logger.warning("closing the llama-server backend with slots still leased")
+        self.pool.close()
+        with self._lock:
+            self._closed = True
+        self._client.close()
+        self._stream_client.close()
+
+    def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
+        lease = super().lease(conversation, timeout=timeout)
+        return Lease(
+            lease.owner,
+            lease.seq_id,
+            reprefill_reason=lease.reprefill_reason,
+            ticket=lease.ticket,
+            backend=self.name,
+        )
+
+
+def state_filename(conversation: str) -> str:
+    """The file a conversation's slot is saved to (a plain name, as the server requires)."""
+    return f"chatctx-{hashlib.sha256(conversation.encode()).hexdigest()[:24]}.bin"

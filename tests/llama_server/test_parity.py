@@ -1,0 +1,147 @@
+"""The same customers through the in-process Engine and through llama-server.
+
+Oracles: the Engine's replies (greedy, the same SmolLM2), the server's /tokenize of each
+rendered prompt, and the cache reuse this test computes itself: the common prefix of a
+turn's prompt with what the slot held after the turn before (that prompt and the reply's
+tokens, less the last sampled one when the reply stopped at its length: it was never
+evaluated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from chatctx import ChatSession, Engine
+from chatctx.config import ContextSettings, GenerationSettings
+from chatctx.engine import common_prefix
+from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from tests.llama_server.conftest import N_CTX, SLOTS
+
+pytestmark = pytest.mark.slow
+
+# repeat_penalty 1: llama-server's penalty window covers the prompt, the engine's only the
+# reply, so with a penalty the two sample differently by design.
+GREEDY = GenerationSettings(max_tokens=24, temperature=0.0, repeat_penalty=1.0)
+SYSTEM = "You are Ava, the support assistant of Nimbus Home Networks. Be brief."
+CUSTOMERS = {
+    "cust-a": [
+        "Hi, my router keeps dropping the wifi.",
+        "The firmware is 2.1.4. Is that current?",
+        "OK, updating now. Anything else?",
+        "It works again, thanks!",
+    ],
+    "cust-b": [
+        "Where is my order 48213?",
+        "It was due on Monday.",
+        "Can I get a refund instead?",
+        "Fine, please send a replacement.",
+    ],
+    "cust-c": [
+        "What is the warranty on the AX3000?",
+        "Does it cover power surges?",
+        "How do I file a claim?",
+        "Thank you, bye.",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path: Path) -> Iterator[Engine]:
+    # Laid out like the server: one stream per slot, each N_CTX tokens, and a summary sequence.
+    with Engine.load(
+        smollm2_path, n_ctx=N_CTX, slots=SLOTS - 1, n_seq_max=SLOTS, kv_unified=False
+    ) as engine:
+        yield engine
+
+
+def converse(
+    backend: object, db_url: str, context: ContextSettings, tag: str
+) -> dict[str, list[tuple[str, int, str, list[int], list[dict[str, str]], int, int]]]:
+    """Every customer's turns, interleaved: (reply, generated tokens, stop reason, prompt
+    tokens, prompt messages, reused tokens, slot)."""
+    sessions = {
+        name: ChatSession.open(
+            db_url,
+            conversation_id=f"{tag}-{name}",
+            backend=backend,  # type: ignore[arg-type]
+            system_prompt=SYSTEM,
+            settings=GREEDY,
+            context=context,
+        )
+        for name in CUSTOMERS
+    }
+    turns: dict[str, list[tuple[str, int, str, list[int], list[dict[str, str]], int, int]]] = {
+        name: [] for name in CUSTOMERS
+    }
+    try:
+        for round_ in range(4):
+            for name, messages in CUSTOMERS.items():
+                chat = sessions[name]
+                reply = chat.send(messages[round_])
+                built = chat.last_build
+                assert built is not None and reply.turn is not None
+                turns[name].append(
+                    (
+                        reply.text,
+                        reply.usage.generated_tokens,
+                        reply.stop_reason,
+                        list(built.tokens),
+                        [dict(m) for m in built.messages],
+                        reply.usage.reused_tokens,
+                        reply.turn.seq_id,
+                    )
+                )
+    finally:
+        for chat in sessions.values():
+            chat.close()
+    return turns
+
+
+def test_replies_match_the_engine_token_for_token(
+    engine: Engine, backend: LlamaServerBackend, db_url: str
+) -> None:
+    # A budget every conversation fits: nothing is evicted, the prompts are the same.
+    context = ContextSettings(budget=700, summarizer="none", recall=False)
+    local = converse(engine, db_url, context, "engine")
+    served = converse(backend, db_url, context, "server")
+    for name in CUSTOMERS:
+        for (text, n, stop, prompt, *_), (s_text, s_n, s_stop, s_prompt, *_) in zip(
+            local[name], served[name], strict=True
+        ):
+            assert s_prompt == prompt
+            assert (s_text, s_n, s_stop) == (text, n, stop), name
+
+
+def test_after_evictions_the_server_reuses_what_chatctx_expects(
+    backend: LlamaServerBackend, server: LlamaServerProcess, db_url: str
+) -> None:
+    # A small budget: every conversation evicts whole turns a few times.
+    context = ContextSettings(budget=160, summarizer="extractive", recall=False)
+    served = converse(backend, db_url, context, "evict")
+    codec = backend.codec()
+    evictions = 0
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for name, turns in served.items():
+            before: list[int] = []
+            last_slot = None
+            for text, n, stop, prompt, messages, reused, slot in turns:
+                rendered = str(codec.render(messages))
+                tokenized = client.post(
+                    "/tokenize",
+                    json={"content": rendered, "add_special": False, "parse_special": True},
+                ).json()["tokens"]
+                assert prompt == tokenized, name
+                if last_slot is not None and slot == last_slot:
+                    expected = min(common_prefix(before, prompt), len(prompt) - 1)
+                    if expected < len(before) - 1:
+                        evictions += 1
+                    assert reused == expected, (name, len(before), len(prompt))
+                reply = codec.encode_text(text)
+                assert len(reply) == n  # the reply re-encodes to the tokens generated
+                before = prompt + (reply[:-1] if stop == "length" else reply)
+                last_slot = slot
+    assert evictions >= 3
