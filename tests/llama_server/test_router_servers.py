@@ -103,8 +103,10 @@ def test_64_conversations_over_3_servers_each_on_one(
 def test_kill_9_of_a_server_while_8_replies_stream(
     llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
 ) -> None:
+    # Six slots each: five for customers (the load bound puts at most ceil(1.25 * 8 / 2) = 5
+    # conversations on one server, so all eight stream at once) and the summary slot.
     servers = [
-        start_server(llama_server_binary, smollm2_path, tmp_path / name, slots=5, n_ctx=1024)
+        start_server(llama_server_binary, smollm2_path, tmp_path / name, slots=6, n_ctx=1024)
         for name in ("a", "b")
     ]
     url = f"sqlite:///{tmp_path / 'bot.db'}"
