@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         ModelError,
         StoreError,
     )
+    from chatctx.llama_server import LlamaServerBackend
     from chatctx.router import Router
     from chatctx.session import ChatSession, Reply
     from chatctx.store import Conversation, Message, Store, Turn
@@ -48,6 +49,7 @@ _WHERE = {
         "Codec",
         "GenerationResult",
         "Lease",
+    "LlamaServerBackend",
         "ModelInfo",
         "Stream",
         "Timings",
@@ -69,6 +71,7 @@ _WHERE = {
         "ModelError",
         "StoreError",
     ),
+    "chatctx.llama_server": ("LlamaServerBackend",),
     "chatctx.router": ("Router",),
     "chatctx.session": ("ChatSession", "Reply"),
     "chatctx.store": ("Conversation", "Message", "Store", "Turn"),

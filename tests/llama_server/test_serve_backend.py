@@ -1,0 +1,82 @@
+"""``chatctx serve --backend URL``: the service runs its turns on real llama-servers.
+
+Oracles: the llama-servers' own counters (``/metrics``) and the store ``serve`` wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from chatctx.llama_server import LlamaServerProcess
+from tests.llama_server.conftest import start_server
+from tests.llama_server.test_router_servers import metrics
+from tests.serve.conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _talk(serve: ServerProcess, conversation: str, turns: int) -> None:
+    client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    for turn in range(turns):
+        reply = client.chat.completions.create(
+            model="chatctx",
+            messages=[{"role": "user", "content": f"question {turn}: where is my parcel?"}],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"conversation": conversation},
+        )
+        assert reply.choices[0].message.content is not None
+
+
+def test_serve_runs_turns_on_one_llama_server(
+    server: LlamaServerProcess, smollm2_path: Path, tmp_path: Path
+) -> None:
+    before = metrics(server.url)
+    serve = ServerProcess(tmp_path, smollm2_path, "--backend", server.url)
+    try:
+        _talk(serve, "via-server", 3)
+    finally:
+        assert serve.stop() == 0
+    with serve.store() as store:
+        turns = store.turns("via-server")
+    assert len(turns) == 3 and {t.backend for t in turns} == {server.url}
+    assert turns[-1].reused_tokens > 0  # the conversation stayed in its slot
+    evaluated = metrics(server.url)["prompt_tokens_total"] - before["prompt_tokens_total"]
+    assert evaluated == sum(t.evaluated_tokens for t in turns)
+
+
+def test_serve_routes_over_several_llama_servers(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    servers = [
+        start_server(llama_server_binary, smollm2_path, tmp_path / name, slots=3, n_ctx=512)
+        for name in ("a", "b")
+    ]
+    try:
+        before = {s.url: metrics(s.url) for s in servers}
+        urls = " ".join(s.url for s in servers)
+        serve = ServerProcess(
+            tmp_path, smollm2_path, env={"CHATCTX_BACKENDS": urls}
+        )  # the URLs from the environment: a router over both
+        try:
+            for i in range(6):
+                _talk(serve, f"cust-{i}", 2)
+        finally:
+            assert serve.stop() == 0
+        with serve.store() as store:
+            placed = {f"cust-{i}": store.get_placement(f"cust-{i}") for i in range(6)}
+            turns = {cid: store.turns(cid) for cid in placed}
+        assert {p.backend for p in placed.values() if p} == {s.url for s in servers}
+        for cid, placement in placed.items():
+            assert placement is not None
+            assert {t.backend for t in turns[cid]} == {placement.backend}
+        for s in servers:
+            evaluated = metrics(s.url)["prompt_tokens_total"] - before[s.url]["prompt_tokens_total"]
+            mine = [t for ts in turns.values() for t in ts if t.backend == s.url]
+            assert evaluated == sum(t.evaluated_tokens for t in mine), s.url
+    finally:
+        for s in servers:
+            s.stop()
