@@ -96,8 +96,15 @@ def test_close_from_another_thread_stores_the_partial_reply(
 def test_llm_summaries_run_on_the_summary_slot_and_recall_finds_evicted_turns(
     backend: LlamaServerBackend, server: LlamaServerProcess, db_url: str
 ) -> None:
+    # A long summary deadline: on a loaded machine a summary prefill shares 2 cores with the
+    # customer's turns (36 s for 234 + 48 tokens was seen).
     context = ContextSettings(
-        budget=220, summarizer="llm", summary_max_tokens=48, recall=True, recall_search="words"
+        budget=220,
+        summarizer="llm",
+        summary_max_tokens=48,
+        summary_timeout_s=600,
+        recall=True,
+        recall_search="words",
     )
     summary_before = httpx.get(f"{server.url}/slots", timeout=30).json()[SLOTS - 1]
     with ChatSession.open(
