@@ -212,14 +212,12 @@ def test_wait_ready_waits_for_a_server_still_starting(
     )
     # Started without waiting: the backend sees refused connections, then 503 while the
     # model loads, then a healthy server.
-    opener = threading.Thread(target=starting.start)
-    opener.start()
+    starting.start(wait=False)
     try:
         with LlamaServerBackend(starting.url, model=smollm2_path, wait_ready=120) as backend:
             backend.health()
             assert backend.n_ctx == 256
     finally:
-        opener.join(120)
         starting.stop()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -113,6 +114,12 @@ def test_llm_summaries_run_on_the_summary_slot_and_recall_finds_evicted_turns(
         chat.send("My order number is NH-48213 and it is a AX3000 router.")
         for i in range(8):
             chat.send(f"Question {i}: how do I reset the router's wifi settings?")
+        # The summary is written off-turn and taken by the first turn after it is done.
+        deadline = time.monotonic() + 300
+        while not chat.store.summaries("long"):
+            assert time.monotonic() < deadline, "no summary was written"
+            time.sleep(1.0)
+            chat.send("Is there any update?")
         reply = chat.send("What was my order number NH-48213 again?")
         plan = reply.plan
     assert plan is not None
