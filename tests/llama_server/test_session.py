@@ -66,11 +66,18 @@ def test_asend_and_astream_from_several_tasks(backend: LlamaServerBackend, db_ur
         return await asyncio.gather(*(one(f"async-{i}") for i in range(3)))
 
     results = asyncio.run(main())
-    # Greedy and the same prompts: every task got the same replies.
-    assert len(set(results)) == 1 and all(results[0])
+    # Not compared with each other: llama-server decodes the three in one batch and a slot's
+    # cached prefix changes how a prompt is cut, and llama.cpp's logits (so greedy picks)
+    # depend on both. The store holds what each task got.
     with Store(db_url) as store:
-        for i in range(3):
-            assert [m.role for m in store.messages(f"async-{i}")] == ["user", "assistant"] * 2
+        for i, (sent, streamed) in enumerate(results):
+            assert sent and streamed
+            assert [(m.role, m.content) for m in store.messages(f"async-{i}")] == [
+                ("user", "Say hi."),
+                ("assistant", sent),
+                ("user", "Say bye."),
+                ("assistant", streamed),
+            ]
 
 
 def test_close_from_another_thread_stores_the_partial_reply(
