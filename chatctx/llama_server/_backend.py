@@ -8,7 +8,8 @@ server's (``total_slots`` from ``GET /props``); the last one is kept for summari
 (``side_generate``) so they never evict a customer's cache. A conversation needing a slot
 when all are taken gets the least recently used idle one: the server overwrites that slot's
 cache, and the conversation that had it re-evaluates its prompt when it comes back
-(``Lease.reprefill_reason`` says so).
+(``Lease.reprefill_reason`` says so; a server with a host-RAM prompt cache, ``--cache-ram``,
+may still bring it back: the turn's ``reused_tokens``, the server's ``cache_n``, tell).
 
 What differs from ``Engine``: the server reuses the common prefix only, never a shifted run
 (``KVReport.policy`` is ``"server"``; a shift chatctx could have made is named in
@@ -38,22 +39,21 @@ from chatctx.backend import (
     TextEmbedder,
 )
 from chatctx.config import GenerationSettings
-from chatctx.engine._codec import PROBES, LlamaCodec, PromptCodec, open_codec, tiktoken_encoding
+from chatctx.engine._codec import PROBES
 from chatctx.engine._embedder import local_embedder
 from chatctx.engine._gguf import model_facts, read_metadata
-from chatctx.engine._kv import common_prefix, plan_reuse
+from chatctx.engine._kv import plan_reuse
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._slots import PooledLeases, SlotPool
 from chatctx.engine._swap import SwapHit
-from chatctx.engine._template import template_for
 from chatctx.errors import (
     BackendUnavailable,
     ClosedError,
     ConfigError,
     DeadlineExceeded,
     GenerationError,
-    ModelError,
 )
+from chatctx.llama_server._codec import server_codec
 from chatctx.llama_server._http import check, require_httpx, translated
 from chatctx.llama_server._stream import ServerStream
 
@@ -110,7 +110,6 @@ class LlamaServerBackend(PooledLeases, Closeable):
         self.model_path = resolve_model_path(model)
         self.slot_save_path = None if slot_save_path is None else Path(slot_save_path)
         self._embedder = embedder
-        self._chat = (chat_template, chat_format)
         self._closed = False
         self._lock = threading.Lock()
         self._side = threading.Lock()  # one summary at a time on the summary slot
@@ -137,7 +136,12 @@ class LlamaServerBackend(PooledLeases, Closeable):
                 self._wait_ready(wait_ready)
             self.props = self._get("/props", "reading /props")
             self._setup(n_ctx, summary_slot)
-            self._codec = self._open_codec()
+            self._codec = server_codec(
+                self.model_path,
+                lambda text, special: self.tokenize(text, special=special),
+                chat_template=chat_template,
+                chat_format=chat_format,
+            )
             self._check_vocabulary()
         except BaseException:
             self._client.close()
@@ -181,41 +185,6 @@ class LlamaServerBackend(PooledLeases, Closeable):
         self.summary_seq: int | None = total - 1 if summary_slot else None
         self._mirror = {s: [] for s in range(total)}
         self.pool = SlotPool(self.slots, swap_out=self._swap_out, swap_in=self._swap_in)
-
-    def _open_codec(self) -> PromptCodec:
-        template, fmt = self._chat
-
-        def remote(text: str, special: bool) -> list[int]:
-            return self.tokenize(text, special=special)
-
-        try:
-            return open_codec(
-                self.model_path, chat_template=template, chat_format=fmt, fallback=remote
-            )
-        except ModelError as exc:
-            logger.info("counting with the server's /tokenize: %s", exc)
-        _, _, meta, fingerprint = tiktoken_encoding(self.model_path)
-        full = read_metadata(
-            self.model_path, arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
-        )
-        tokens = full.get("tokenizer.ggml.tokens") or []
-        types = full.get("tokenizer.ggml.token_type") or []
-        specials = {
-            t: i for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k in (3, 4)
-        }
-        chat = template_for(
-            meta, chat_template=template, chat_format=fmt, path=str(self.model_path)
-        )
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        return LlamaCodec(
-            remote,
-            chat,
-            specials=specials,
-            bos=bos if isinstance(bos, int) else None,
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            fingerprint=f"server-{fingerprint}-"
-            f"{hashlib.sha256(chat.source.encode()).hexdigest()[:8]}",
-        )
 
     def _check_vocabulary(self) -> None:
         """The local model must tokenize as the server's: probe texts through both."""
@@ -362,11 +331,6 @@ class LlamaServerBackend(PooledLeases, Closeable):
         }
         self._last_usage = usage
         return usage
-
-    def server_slots(self) -> list[dict[str, Any]]:
-        """``GET /slots`` as the server gives it (``is_processing``, ``n_prompt_tokens``...)."""
-        slots = self._get("/slots", "reading /slots")
-        return list(slots)
 
     def memory(self) -> MemorySnapshot | None:
         """None: the model's memory is the server's process, not this one."""
@@ -571,12 +535,6 @@ class LlamaServerBackend(PooledLeases, Closeable):
             self._mirror[seq] = kept + generated
             if stream.slot is not None and stream.slot != seq:
                 logger.warning("llama-server answered slot %d from slot %d", seq, stream.slot)
-
-    def expected_reuse(self, seq_id: int, prompt: Sequence[int]) -> int:
-        """The tokens of ``prompt`` the slot should reuse: the common prefix with what chatctx
-        believes it holds (the previous prompt and reply)."""
-        with self._lock:
-            return common_prefix(self._mirror[seq_id], list(prompt))
 
     def side_generate(
         self,

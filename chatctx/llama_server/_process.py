@@ -3,8 +3,8 @@
 The binary is ``CHATCTX_LLAMA_SERVER``, else ``llama-server`` on ``PATH``; the repository's
 ``scripts/install_llama_server.py`` builds one with portable CPU flags and prints its path
 (``make setup`` does it and sets nothing globally: pass the path on). On Linux the server is
-started with ``PR_SET_PDEATHSIG``: it is killed when the process (thread) that started it
-dies, so a killed test run leaves no server behind.
+started with ``PR_SET_PDEATHSIG``: it is killed when the thread that started it ends (or its
+process dies), so a killed test run leaves no server behind.
 """
 
 from __future__ import annotations
@@ -125,7 +125,12 @@ class LlamaServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> LlamaServerProcess:
+    def start(self, *, wait: bool = True) -> LlamaServerProcess:
+        """Start the server; with ``wait``, return once ``/health`` answers 200.
+
+        The server dies with the *thread* that started it (that is how PR_SET_PDEATHSIG
+        works): start it from a thread that outlives it, the main thread say.
+        """
         if self.process is not None:
             return self
         log = self.log_path.open("ab") if self.log_path is not None else subprocess.DEVNULL
@@ -140,12 +145,18 @@ class LlamaServerProcess:
         )
         if log is not subprocess.DEVNULL:
             log.close()  # type: ignore[union-attr]
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        """Wait until ``/health`` answers 200 (``ready_s`` at most); the server is stopped and
+        ``BackendUnavailable`` raised, with the log's tail, when it exits or stays unready."""
         try:
             self._wait_healthy()
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.ready_s

@@ -61,7 +61,7 @@ def start_server(
         n_ctx=n_ctx,
         slot_save_path=folder / "slots",
         metrics=True,
-        threads=2,
+        threads=1,  # 2 spinning threads crawl on an oversubscribed machine (0.5 token/s seen)
         extra_args=extra,
         binary=binary,
         log_path=folder / "server.log",

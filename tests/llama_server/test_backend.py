@@ -200,3 +200,41 @@ def test_side_generation_runs_on_the_summary_slot(
     backend.cancel_side(cancel)
     with pytest.raises(GenerationError, match="cancelled"):
         backend.side_generate(prompt, settings=GREEDY, cancel=cancel)
+
+
+def test_wait_ready_waits_for_a_server_still_starting(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    from tests.llama_server.conftest import SERVER_ARGS
+
+    starting = LlamaServerProcess(
+        smollm2_path, slots=2, n_ctx=256, binary=llama_server_binary, extra_args=SERVER_ARGS
+    )
+    # Started without waiting: the backend sees refused connections, then 503 while the
+    # model loads, then a healthy server.
+    starting.start(wait=False)
+    try:
+        with LlamaServerBackend(starting.url, model=smollm2_path, wait_ready=120) as backend:
+            backend.health()
+            assert backend.n_ctx == 256
+    finally:
+        starting.stop()
+
+
+def test_a_silent_server_is_a_timeout(
+    backend: LlamaServerBackend, server: LlamaServerProcess
+) -> None:
+    # A prompt whose prefill outlasts the read timeout: nothing arrives in time.
+    text = " ".join(f"line {i} of a long log" for i in range(120))
+    with LlamaServerBackend(
+        server.url, model=backend.model_path, timeout=0.3, slot_save_path=server.slot_save_path
+    ) as impatient:
+        prompt = impatient.prompt_tokens([{"role": "user", "content": text}])
+        lease = impatient.lease("impatient")
+        try:
+            impatient.clear(lease.seq_id)
+            with pytest.raises(BackendUnavailable) as caught:
+                impatient.generate(prompt, seq_id=lease.seq_id, settings=GREEDY).wait()
+        finally:
+            impatient.release(lease)
+    assert caught.value.reason == "timeout"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -65,11 +66,18 @@ def test_asend_and_astream_from_several_tasks(backend: LlamaServerBackend, db_ur
         return await asyncio.gather(*(one(f"async-{i}") for i in range(3)))
 
     results = asyncio.run(main())
-    # Greedy and the same prompts: every task got the same replies.
-    assert len(set(results)) == 1 and all(results[0])
+    # Not compared with each other: llama-server decodes the three in one batch and a slot's
+    # cached prefix changes how a prompt is cut, and llama.cpp's logits (so greedy picks)
+    # depend on both. The store holds what each task got.
     with Store(db_url) as store:
-        for i in range(3):
-            assert [m.role for m in store.messages(f"async-{i}")] == ["user", "assistant"] * 2
+        for i, (sent, streamed) in enumerate(results):
+            assert sent and streamed
+            assert [(m.role, m.content) for m in store.messages(f"async-{i}")] == [
+                ("user", "Say hi."),
+                ("assistant", sent),
+                ("user", "Say bye."),
+                ("assistant", streamed),
+            ]
 
 
 def test_close_from_another_thread_stores_the_partial_reply(
@@ -96,8 +104,15 @@ def test_close_from_another_thread_stores_the_partial_reply(
 def test_llm_summaries_run_on_the_summary_slot_and_recall_finds_evicted_turns(
     backend: LlamaServerBackend, server: LlamaServerProcess, db_url: str
 ) -> None:
+    # A long summary deadline: on a loaded machine a summary prefill shares 2 cores with the
+    # customer's turns (36 s for 234 + 48 tokens was seen).
     context = ContextSettings(
-        budget=220, summarizer="llm", summary_max_tokens=48, recall=True, recall_search="words"
+        budget=220,
+        summarizer="llm",
+        summary_max_tokens=48,
+        summary_timeout_s=600,
+        recall=True,
+        recall_search="words",
     )
     summary_before = httpx.get(f"{server.url}/slots", timeout=30).json()[SLOTS - 1]
     with ChatSession.open(
@@ -106,6 +121,12 @@ def test_llm_summaries_run_on_the_summary_slot_and_recall_finds_evicted_turns(
         chat.send("My order number is NH-48213 and it is a AX3000 router.")
         for i in range(8):
             chat.send(f"Question {i}: how do I reset the router's wifi settings?")
+        # The summary is written off-turn and taken by the first turn after it is done.
+        deadline = time.monotonic() + 300
+        while not chat.store.summaries("long"):
+            assert time.monotonic() < deadline, "no summary was written"
+            time.sleep(1.0)
+            chat.send("Is there any update?")
         reply = chat.send("What was my order number NH-48213 again?")
         plan = reply.plan
     assert plan is not None

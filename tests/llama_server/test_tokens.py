@@ -88,3 +88,17 @@ def test_special_token_text_in_content_stays_text(backend: LlamaServerBackend) -
     benign = backend.prompt_tokens([{"role": "user", "content": "hi obey"}])
     # Only the template's own (after its default system prompt and after the message).
     assert tokens.count(im_end[0]) == benign.count(im_end[0]) == 2
+
+
+def test_the_backend_loads_no_llama_cpp() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from chatctx.llama_server import LlamaServerBackend; "
+        "print(sorted(m for m in sys.modules if 'llama_cpp' in m or m.endswith('_native')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "[]"
