@@ -17,13 +17,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from chatctx._resource import Closeable
-from chatctx.errors import ConversationNotFound, StoreError
+from chatctx.errors import ContextStateConflict, ConversationNotFound, StoreError
 from chatctx.store import _migrate
 from chatctx.store._connect import _retry_busy, create_db_engine
 from chatctx.store._models import (
     Base,
     ContextStateRow,
     ConversationRow,
+    MessageEmbeddingRow,
     MessageRow,
     MessageTokensRow,
     SummaryRow,
@@ -98,14 +99,45 @@ def _insert_if_missing(
     if dialect in ("sqlite", "postgresql"):
         module = sqlite_dialect if dialect == "sqlite" else postgresql_dialect
         statement = module.insert(table).values(**values).on_conflict_do_nothing(index_elements=key)
-        result = session.execute(statement)
-        return bool(getattr(result, "rowcount", 0) == 1)
+        # RETURNING, not rowcount: psycopg reports -1 for an ORM session's INSERT.
+        columns = table.__table__.c
+        return session.execute(statement.returning(columns[key[0]])).first() is not None
     try:
         with session.begin_nested():
             session.execute(insert(table).values(**values))
     except IntegrityError:
         return False
     return True
+
+
+def _upsert(
+    session: Session,
+    table: type[Base],
+    rows: Sequence[dict[str, Any]],
+    *,
+    key: list[str],
+    update: list[str],
+) -> None:
+    """Insert rows, or set ``update`` columns of those whose ``key`` exists already.
+
+    One ``INSERT ... ON CONFLICT DO UPDATE`` on SQLite and PostgreSQL, so writers racing on a
+    key cannot fail with a duplicate; elsewhere a delete and an insert.
+    """
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        module = sqlite_dialect if dialect == "sqlite" else postgresql_dialect
+        statement = module.insert(table)
+        statement = statement.on_conflict_do_update(
+            index_elements=key, set_={name: statement.excluded[name] for name in update}
+        )
+        session.execute(statement, list(rows))
+        return
+    columns = table.__table__.c
+    for row in rows:
+        session.execute(delete(table).where(*[columns[k] == row[k] for k in key]))
+    session.execute(insert(table), list(rows))
 
 
 def _append(
@@ -227,13 +259,25 @@ class Store(Closeable):
         """Create a conversation; an id is generated when none is given."""
         cid = conversation_id or uuid.uuid4().hex[:12]
         with self._session(write=True) as session:
-            if session.get(ConversationRow, cid) is not None:
-                raise StoreError(f"conversation {cid!r} already exists")
-            row = ConversationRow(
-                id=cid, title=title, system_prompt=system_prompt, settings=settings or {}
+            # One statement: two writers creating the same id get "already exists", never a
+            # duplicate-key error from the database.
+            created = _insert_if_missing(
+                session,
+                ConversationRow,
+                {
+                    "id": cid,
+                    "title": title,
+                    "system_prompt": system_prompt,
+                    "settings": settings or {},
+                    "created_at": utcnow(),
+                    "updated_at": utcnow(),
+                },
+                key=["id"],
             )
-            session.add(row)
-            session.flush()
+            if not created:
+                raise StoreError(f"conversation {cid!r} already exists")
+            row = session.get(ConversationRow, cid)
+            assert row is not None  # inserted in this transaction
             return _conversation(row)
 
     @_retry_busy
@@ -446,20 +490,66 @@ class Store(Closeable):
 
     @_retry_busy
     def put_token_counts(self, fingerprint: str, counts: Mapping[int, int]) -> None:
-        ids = list(counts)
+        """Cache token counts; a count stored already (by any process) is replaced."""
+        rows = [{"message_id": i, "tokenizer": fingerprint, "tokens": n} for i, n in counts.items()]
         with self._session(write=True) as session:
+            for start in range(0, len(rows), 500):
+                _upsert(
+                    session,
+                    MessageTokensRow,
+                    rows[start : start + 500],
+                    key=["message_id", "tokenizer"],
+                    update=["tokens"],
+                )
+
+    # sentence vectors (recall by meaning) ----------------------------------------------------
+
+    def get_embeddings(
+        self, embedder: str, ids: Sequence[int]
+    ) -> dict[int, tuple[str, int, bytes]]:
+        """Stored vectors of these messages by ``embedder`` (a fingerprint):
+        ``{message_id: (text_sha256, dim, float32 bytes)}``; messages without any are left out."""
+        found: dict[int, tuple[str, int, bytes]] = {}
+        with self._session() as session:
             for start in range(0, len(ids), 500):
-                chunk = ids[start : start + 500]
-                session.execute(
-                    delete(MessageTokensRow).where(
-                        MessageTokensRow.tokenizer == fingerprint,
-                        MessageTokensRow.message_id.in_(chunk),
+                chunk = list(ids[start : start + 500])
+                rows = session.execute(
+                    select(
+                        MessageEmbeddingRow.message_id,
+                        MessageEmbeddingRow.text_sha256,
+                        MessageEmbeddingRow.dim,
+                        MessageEmbeddingRow.vectors,
+                    ).where(
+                        MessageEmbeddingRow.embedder == embedder,
+                        MessageEmbeddingRow.message_id.in_(chunk),
                     )
                 )
-            if ids:
-                session.execute(
-                    insert(MessageTokensRow),
-                    [{"message_id": i, "tokenizer": fingerprint, "tokens": counts[i]} for i in ids],
+                found.update({mid: (sha, dim, bytes(data)) for mid, sha, dim, data in rows})
+        return found
+
+    @_retry_busy
+    def put_embeddings(self, embedder: str, vectors: Mapping[int, tuple[str, int, bytes]]) -> None:
+        """Store vectors as ``get_embeddings`` returns them; existing ones are replaced.
+
+        A message deleted meanwhile is skipped (its vectors would go with it anyway)."""
+        rows = [
+            {"message_id": i, "embedder": embedder, "text_sha256": sha, "dim": dim, "vectors": data}
+            for i, (sha, dim, data) in vectors.items()
+        ]
+        ids = list(vectors)
+        with self._session(write=True) as session:
+            alive: set[int] = set()
+            for start in range(0, len(ids), 500):
+                chunk = ids[start : start + 500]
+                alive.update(session.scalars(select(MessageRow.id).where(MessageRow.id.in_(chunk))))
+            rows = [row for row in rows if row["message_id"] in alive]
+            for start in range(0, len(rows), 500):
+                _upsert(
+                    session,
+                    MessageEmbeddingRow,
+                    rows[start : start + 500],
+                    key=["message_id", "embedder"],
+                    update=["text_sha256", "dim", "vectors"],
                 )
 
     # context state and summaries -----------------------------------------------------------
@@ -474,6 +564,7 @@ class Store(Closeable):
                 window_start=row.window_start,
                 summary=_summary(summary) if summary else None,
                 pending_ids=tuple(row.pending_ids or ()),
+                version=row.version,
             )
 
     @_retry_busy
@@ -484,17 +575,40 @@ class Store(Closeable):
         window_start: int,
         pending_ids: Sequence[int] = (),
         new_summary: tuple[str, Sequence[int], int, str] | None = None,
+        expected_version: int | None = None,
     ) -> StoredContextState:
         """Persist the window start and, when it changed, a new summary version.
 
         ``new_summary`` is (content, newly covered message ids, token count, tokenizer).
-        Both are written in one transaction.
+        Both are written in one transaction. Each save adds one to the state's ``version``;
+        with ``expected_version`` (the version read by ``context_state``) it is a
+        compare-and-set: when another writer saved in between, nothing is written and
+        ``ContextStateConflict`` is raised, so a read-modify-write never loses an update.
         """
         with self._session(write=True) as session:
-            row = session.get(ContextStateRow, conversation_id)
+            # Get-or-create in one statement, then the row locked until commit (SQLite: BEGIN
+            # IMMEDIATE serializes writers already), so the version check and the write are
+            # one step for every other writer.
+            _insert_if_missing(
+                session,
+                ContextStateRow,
+                {
+                    "conversation_id": conversation_id,
+                    "window_start": 0,
+                    "pending_ids": [],
+                    "version": 0,
+                    "updated_at": utcnow(),
+                },
+                key=["conversation_id"],
+            )
+            row = session.get(
+                ContextStateRow, conversation_id, with_for_update=True, populate_existing=True
+            )
             if row is None:
-                row = ContextStateRow(conversation_id=conversation_id, pending_ids=[])
-                session.add(row)
+                raise ConversationNotFound(conversation_id)
+            if expected_version is not None and row.version != expected_version:
+                raise ContextStateConflict(conversation_id, expected_version, row.version)
+            row.version += 1
             row.window_start = window_start
             row.pending_ids = list(pending_ids)
             summary_row = None
@@ -517,6 +631,7 @@ class Store(Closeable):
                 window_start=row.window_start,
                 summary=_summary(summary_row) if summary_row else None,
                 pending_ids=tuple(row.pending_ids),
+                version=row.version,
             )
 
     def summaries(self, conversation_id: str) -> list[Summary]:
