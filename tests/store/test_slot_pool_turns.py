@@ -39,7 +39,7 @@ def test_upgrade_from_0005_keeps_rows_and_adds_nullable_columns(db_url: str) -> 
             text(
                 "INSERT INTO messages (conversation_id, position, role, content, status, "
                 "pinned, created_at) VALUES ('old', 0, 'user', 'my parking permit expired', "
-                "'complete', 0, '2026-11-30 10:00:00')"
+                "'complete', false, '2026-11-30 10:00:00')"
             )
         )
         conn.execute(
@@ -51,7 +51,7 @@ def test_upgrade_from_0005_keeps_rows_and_adds_nullable_columns(db_url: str) -> 
             )
         )
     assert not set(POOL_COLUMNS) & {c["name"] for c in inspect(engine).get_columns("turns")}
-    upgrade(engine)
+    upgrade(engine, "0006")
     assert current_revision(engine) == "0006"
     columns = {c["name"]: c for c in inspect(engine).get_columns("turns")}
     assert all(columns[name]["nullable"] for name in POOL_COLUMNS)
