@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -90,11 +91,18 @@ class ThrowawayPostgres:
 
     ``url`` is a SQLAlchemy URL (``postgresql+psycopg://postgres@127.0.0.1:PORT/postgres``);
     ``create_database()`` makes a fresh, empty database and returns its URL. ``durable=False``
-    (the default) turns fsync off: fast, and fine for data that is thrown away. Raises
+    (the default) turns fsync off: fast, and fine for data that is thrown away; ``settings``
+    are more server settings (``{"synchronous_commit": "off"}``). Raises
     ``StoreError`` when no PostgreSQL server binaries are installed.
     """
 
-    def __init__(self, *, bindir: Path | None = None, durable: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        bindir: Path | None = None,
+        durable: bool = False,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
         found = bindir or find_postgres_bindir()
         if found is None:
             raise StoreError(
@@ -104,6 +112,7 @@ class ThrowawayPostgres:
             )
         self.bindir = found
         self.durable = durable
+        self.settings = dict(settings or {})
         self.port = 0
         self.root: Path | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
@@ -166,6 +175,7 @@ class ThrowawayPostgres:
             options = [f"-c listen_addresses=127.0.0.1 -k {self.root} -c max_connections=300"]
             if not self.durable:
                 options.append("-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+            options += [f"-c {name}={value}" for name, value in self.settings.items()]
             for attempt in range(5):
                 self.port = _free_port()
                 try:

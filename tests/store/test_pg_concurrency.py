@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
@@ -370,3 +371,49 @@ def test_kill_9_of_writers_loses_no_committed_message_and_leaves_no_half_turn(
             )
         ]
         assert positions == list(range(len(positions)))
+
+
+@pytest.mark.parametrize("write", ["add_message", "record_reply", "save_context_state"])
+def test_writes_wait_out_a_row_lock_held_past_the_lock_timeout(pg_url: str, write: str) -> None:
+    # A short lock_timeout: a write waiting on the other transaction's row lock fails with
+    # SQLSTATE 55P03, and only the store's retries can get it through once the lock is gone.
+    url = pg_url + "?options=-c%20lock_timeout%3D100"
+    with Store(url) as store:
+        store.create_conversation("c")
+        user = store.add_message("c", "user", "before the lock")
+        if write == "save_context_state":
+            store.save_context_state("c", window_start=0)  # the row exists: it is locked too
+        released = threading.Event()
+        holder = create_db_engine(pg_url)
+        conn = holder.connect()
+        conn.execute(text("SELECT 1 FROM conversations WHERE id = 'c' FOR UPDATE"))
+        conn.execute(text("SELECT 1 FROM context_states FOR UPDATE"))
+
+        def release() -> None:
+            time.sleep(0.6)
+            conn.rollback()
+            released.set()
+
+        threading.Thread(target=release).start()
+        try:
+            if write == "add_message":
+                store.add_message("c", "user", "after the lock")
+            elif write == "record_reply":
+                store.record_reply(
+                    "c",
+                    {"role": "assistant", "content": "after the lock"},
+                    user_message_id=user.id,
+                    **TURN,
+                )
+            else:
+                store.save_context_state("c", window_start=1)
+            assert released.is_set()  # it really waited for the other transaction
+        finally:
+            released.wait(5)
+            conn.close()
+            holder.dispose()
+    rows = _rows(pg_url, "SELECT content FROM messages ORDER BY position")
+    if write == "save_context_state":
+        assert _rows(pg_url, "SELECT window_start, version FROM context_states") == [(1, 2)]
+    else:
+        assert rows == [("before the lock",), ("after the lock",)]
