@@ -54,12 +54,14 @@ shutil.rmtree(root, ignore_errors=True)
 def find_postgres_bindir() -> Path | None:
     """The directory holding ``initdb``, ``pg_ctl`` and ``postgres``, or None.
 
-    Looked for in ``CHATCTX_PG_BINDIR``, then ``pg_config --bindir``, then PATH, then
-    Debian's ``/usr/lib/postgresql/<version>/bin`` (newest version first).
+    ``CHATCTX_PG_BINDIR`` when set (None if it lacks them); else ``pg_config --bindir``, then
+    PATH, then Debian's ``/usr/lib/postgresql/<version>/bin`` (newest version first).
     """
+    names = ("initdb", "pg_ctl", "postgres")
+    if os.environ.get("CHATCTX_PG_BINDIR"):  # given: that one or none
+        given = Path(os.environ["CHATCTX_PG_BINDIR"])
+        return given if all((given / name).is_file() for name in names) else None
     candidates: list[Path] = []
-    if os.environ.get("CHATCTX_PG_BINDIR"):
-        candidates.append(Path(os.environ["CHATCTX_PG_BINDIR"]))
     pg_config = shutil.which("pg_config")
     if pg_config:
         out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
@@ -75,7 +77,7 @@ def find_postgres_bindir() -> Path | None:
 
     candidates += [Path(p) for p in sorted(glob.glob(_DEBIAN_BINDIRS), key=version, reverse=True)]
     for candidate in candidates:
-        if all((candidate / name).is_file() for name in ("initdb", "pg_ctl", "postgres")):
+        if all((candidate / name).is_file() for name in names):
             return candidate
     return None
 
