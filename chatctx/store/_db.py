@@ -9,24 +9,20 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select
-from sqlalchemy.dialects import postgresql as postgresql_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from chatctx._resource import Closeable
 from chatctx.errors import ContextStateConflict, ConversationNotFound, StoreError
 from chatctx.store import _migrate
+from chatctx.store._caches import CacheMixin, insert_if_missing
 from chatctx.store._connect import _retry_busy, create_db_engine
 from chatctx.store._models import (
-    Base,
     ContextStateRow,
     ConversationRow,
-    MessageEmbeddingRow,
     MessageRow,
-    MessageTokensRow,
     SummaryRow,
     TurnRow,
     utcnow,
@@ -87,59 +83,6 @@ def _turn(row: TurnRow) -> Turn:
     return Turn(**{name: getattr(row, name) for name in Turn.__dataclass_fields__})
 
 
-def _insert_if_missing(
-    session: Session, table: type[Base], values: dict[str, Any], *, key: list[str]
-) -> bool:
-    """Insert a row unless one with the same ``key`` exists; True when this call inserted it.
-
-    SQLite and PostgreSQL do it in one statement (``ON CONFLICT DO NOTHING``), so two
-    writers racing on one key cannot fail; other databases try in a savepoint.
-    """
-    dialect = session.get_bind().dialect.name
-    if dialect in ("sqlite", "postgresql"):
-        module = sqlite_dialect if dialect == "sqlite" else postgresql_dialect
-        statement = module.insert(table).values(**values).on_conflict_do_nothing(index_elements=key)
-        # RETURNING, not rowcount: psycopg reports -1 for an ORM session's INSERT.
-        columns = table.__table__.c
-        return session.execute(statement.returning(columns[key[0]])).first() is not None
-    try:
-        with session.begin_nested():
-            session.execute(insert(table).values(**values))
-    except IntegrityError:
-        return False
-    return True
-
-
-def _upsert(
-    session: Session,
-    table: type[Base],
-    rows: Sequence[dict[str, Any]],
-    *,
-    key: list[str],
-    update: list[str],
-) -> None:
-    """Insert rows, or set ``update`` columns of those whose ``key`` exists already.
-
-    One ``INSERT ... ON CONFLICT DO UPDATE`` on SQLite and PostgreSQL, so writers racing on a
-    key cannot fail with a duplicate; elsewhere a delete and an insert.
-    """
-    if not rows:
-        return
-    dialect = session.get_bind().dialect.name
-    if dialect in ("sqlite", "postgresql"):
-        module = sqlite_dialect if dialect == "sqlite" else postgresql_dialect
-        statement = module.insert(table)
-        statement = statement.on_conflict_do_update(
-            index_elements=key, set_={name: statement.excluded[name] for name in update}
-        )
-        session.execute(statement, list(rows))
-        return
-    columns = table.__table__.c
-    for row in rows:
-        session.execute(delete(table).where(*[columns[k] == row[k] for k in key]))
-    session.execute(insert(table), list(rows))
-
-
 def _append(
     session: Session, conversation_id: str, messages: Sequence[Mapping[str, Any]]
 ) -> list[MessageRow]:
@@ -186,7 +129,7 @@ def _add_turn(session: Session, conversation_id: str, figures: Mapping[str, Any]
     return row
 
 
-class Store(Closeable):
+class Store(CacheMixin, Closeable):
     """Conversations, messages, summaries and per-turn figures in one database.
 
     Opening a store upgrades its schema to the newest migration. Use as a context manager.
@@ -261,7 +204,7 @@ class Store(Closeable):
         with self._session(write=True) as session:
             # One statement: two writers creating the same id get "already exists", never a
             # duplicate-key error from the database.
-            created = _insert_if_missing(
+            created = insert_if_missing(
                 session,
                 ConversationRow,
                 {
@@ -296,7 +239,7 @@ class Store(Closeable):
         it (an ``INSERT ... ON CONFLICT DO NOTHING``; a savepoint elsewhere), never an error.
         """
         with self._session(write=True) as session:
-            created = _insert_if_missing(
+            created = insert_if_missing(
                 session,
                 ConversationRow,
                 {
@@ -472,86 +415,6 @@ class Store(Closeable):
             session.flush()
             return _message(row)
 
-    # token counts (the context builder's cache) --------------------------------------------
-
-    def get_token_counts(self, fingerprint: str, ids: Sequence[int]) -> dict[int, int]:
-        found: dict[int, int] = {}
-        with self._session() as session:
-            for start in range(0, len(ids), 500):
-                chunk = list(ids[start : start + 500])
-                rows = session.execute(
-                    select(MessageTokensRow.message_id, MessageTokensRow.tokens).where(
-                        MessageTokensRow.tokenizer == fingerprint,
-                        MessageTokensRow.message_id.in_(chunk),
-                    )
-                )
-                found.update({mid: n for mid, n in rows})
-        return found
-
-    @_retry_busy
-    def put_token_counts(self, fingerprint: str, counts: Mapping[int, int]) -> None:
-        """Cache token counts; a count stored already (by any process) is replaced."""
-        rows = [{"message_id": i, "tokenizer": fingerprint, "tokens": n} for i, n in counts.items()]
-        with self._session(write=True) as session:
-            for start in range(0, len(rows), 500):
-                _upsert(
-                    session,
-                    MessageTokensRow,
-                    rows[start : start + 500],
-                    key=["message_id", "tokenizer"],
-                    update=["tokens"],
-                )
-
-    # sentence vectors (recall by meaning) ----------------------------------------------------
-
-    def get_embeddings(
-        self, embedder: str, ids: Sequence[int]
-    ) -> dict[int, tuple[str, int, bytes]]:
-        """Stored vectors of these messages by ``embedder`` (a fingerprint):
-        ``{message_id: (text_sha256, dim, float32 bytes)}``; messages without any are left out."""
-        found: dict[int, tuple[str, int, bytes]] = {}
-        with self._session() as session:
-            for start in range(0, len(ids), 500):
-                chunk = list(ids[start : start + 500])
-                rows = session.execute(
-                    select(
-                        MessageEmbeddingRow.message_id,
-                        MessageEmbeddingRow.text_sha256,
-                        MessageEmbeddingRow.dim,
-                        MessageEmbeddingRow.vectors,
-                    ).where(
-                        MessageEmbeddingRow.embedder == embedder,
-                        MessageEmbeddingRow.message_id.in_(chunk),
-                    )
-                )
-                found.update({mid: (sha, dim, bytes(data)) for mid, sha, dim, data in rows})
-        return found
-
-    @_retry_busy
-    def put_embeddings(self, embedder: str, vectors: Mapping[int, tuple[str, int, bytes]]) -> None:
-        """Store vectors as ``get_embeddings`` returns them; existing ones are replaced.
-
-        A message deleted meanwhile is skipped (its vectors would go with it anyway)."""
-        rows = [
-            {"message_id": i, "embedder": embedder, "text_sha256": sha, "dim": dim, "vectors": data}
-            for i, (sha, dim, data) in vectors.items()
-        ]
-        ids = list(vectors)
-        with self._session(write=True) as session:
-            alive: set[int] = set()
-            for start in range(0, len(ids), 500):
-                chunk = ids[start : start + 500]
-                alive.update(session.scalars(select(MessageRow.id).where(MessageRow.id.in_(chunk))))
-            rows = [row for row in rows if row["message_id"] in alive]
-            for start in range(0, len(rows), 500):
-                _upsert(
-                    session,
-                    MessageEmbeddingRow,
-                    rows[start : start + 500],
-                    key=["message_id", "embedder"],
-                    update=["text_sha256", "dim", "vectors"],
-                )
-
     # context state and summaries -----------------------------------------------------------
 
     def context_state(self, conversation_id: str) -> StoredContextState:
@@ -589,7 +452,7 @@ class Store(Closeable):
             # Get-or-create in one statement, then the row locked until commit (SQLite: BEGIN
             # IMMEDIATE serializes writers already), so the version check and the write are
             # one step for every other writer.
-            _insert_if_missing(
+            insert_if_missing(
                 session,
                 ContextStateRow,
                 {
