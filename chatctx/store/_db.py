@@ -585,8 +585,9 @@ class Store(CacheMixin, Closeable):
     ) -> list[tuple[Message, float]]:
         """The conversation's messages that best match the words of ``query``, best first.
 
-        Scores are BM25 on SQLite (FTS5, porter stemming), a term-rarity score elsewhere;
-        higher is better. Only messages before ``before_position`` and not in
+        Scores are BM25 on SQLite (FTS5, porter stemming), term rarity times ``ts_rank_cd``
+        on PostgreSQL (a ``tsvector`` column, Snowball stemming), a term-rarity score
+        elsewhere; higher is better. Only messages before ``before_position`` and not in
         ``exclude_ids`` are searched. Any text is a valid query: FTS syntax in it is quoted.
         With ``replies``, each matched user message is followed in the list by the assistant
         message right after it (when that one is searchable and not listed already), with the
