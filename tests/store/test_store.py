@@ -150,3 +150,13 @@ def test_context_state_round_trips_with_summaries(db_url: str) -> None:
         assert (state.window_start, state.pending_ids, state.version) == (3, (), 2)
         assert state.summary is not None and state.summary.content == "s2"
         assert [s.covered_message_ids for s in store.summaries("c")] == [ids[:1], ids[1:2]]
+
+
+def test_get_or_create_says_whether_it_created(db_url: str) -> None:
+    # On PostgreSQL psycopg reports rowcount -1 for the ORM's INSERT: "created" was always
+    # False there.
+    with Store(db_url) as store:
+        first, created = store.get_or_create_conversation("g", system_prompt="one")
+        again, created_again = store.get_or_create_conversation("g", system_prompt="two")
+    assert (created, created_again) == (True, False)
+    assert first.system_prompt == again.system_prompt == "one"
