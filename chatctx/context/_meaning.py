@@ -138,9 +138,14 @@ class MeaningSearch:
         """Each message's parts' vectors: known ones as they are, the rest embedded in one
         call (and stored)."""
         self._load(messages)
-        missing = [m for m in messages if not self._has(m)]
+        parts_of = [_parts(m.content) for m in messages]
+        # A stored matrix with another number of rows was split by other code: embed again.
+        missing, parts = [], []
+        for message, message_parts in zip(messages, parts_of, strict=True):
+            if not self._has(message) or len(self._known[message.id][1]) != len(message_parts):
+                missing.append(message)
+                parts.append(message_parts)
         if missing:
-            parts = [_parts(m.content) for m in missing]
             embedded = self._embed([p for message_parts in parts for p in message_parts])
             new: dict[int, tuple[str, int, bytes]] = {}
             start = 0
