@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from chatctx.engine import Engine, default_embedder_path, default_model_path
 from chatctx.errors import StoreError
@@ -102,7 +103,7 @@ def pg_url(pg_server: str) -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
     url = create_database(pg_server)
     yield url
-    drop_database(pg_server, url.rsplit("/", 1)[1])
+    drop_database(pg_server, str(make_url(url).database))
 
 
 DATABASES = ["sqlite", "postgresql"]
