@@ -16,11 +16,13 @@ from alembic.runtime.migration import MigrationContext
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from chatctx.store import Store, create_db_engine, import_records, read_jsonl, upgrade
 from chatctx.store._migrate import _config
 from chatctx.store._models import Base
 from chatctx.store._search import fts_query, include_name, query_terms
+from chatctx.testing import create_database, drop_database
 
 CHAT = [
     ("user", "Hi, my wifi keeps dropping in the evening."),
@@ -168,12 +170,30 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
         yield store
 
 
+@pytest.fixture(scope="module")
+def shared_pg_store(pg_server: str) -> Iterator[Store]:
+    url = create_database(pg_server)
+    with Store(url) as store:
+        fill(store)
+        yield store
+    drop_database(pg_server, str(make_url(url).database))
+
+
 @settings(max_examples=300, deadline=None)
 @given(query=st.text(max_size=80))
 def test_any_text_is_a_valid_query(shared_store: Store, query: str) -> None:
     found = shared_store.search_messages("c", query, limit=5)
     assert all(message.conversation_id == "c" for message, _ in found)
     if not query_terms(query):  # nothing searchable: nothing found, and no error
+        assert found == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(query=st.text(max_size=80))
+def test_any_text_is_a_valid_query_on_postgresql(shared_pg_store: Store, query: str) -> None:
+    found = shared_pg_store.search_messages("c", query, limit=5, replies=True)
+    assert all(message.conversation_id == "c" for message, _ in found)
+    if not query_terms(query):
         assert found == []
 
 
