@@ -377,9 +377,12 @@ class ChatSession(Closeable):
                 embedder.embed,
                 min_similarity=settings.recall_min_similarity,
                 prefetch=embedder.prefetch,
+                vectors=store,
+                fingerprint=embedder.fingerprint,
             )
-            # A resumed conversation: its history is embedded while the customer types.
-            self._meaning.warm([m.content for m in store.messages(cid)])
+            # A resumed conversation: what is not stored yet is embedded while the customer
+            # types.
+            self._meaning.warm_messages(store.messages(cid))
             return self._meaning
         return lambda query, before, limit: store.search_messages(
             cid, query, before_position=before, limit=limit, replies=True
