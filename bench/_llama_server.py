@@ -131,7 +131,9 @@ def score(conversation: str, backend: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def trim_last(codec: PromptCodec, messages: list[dict[str, Any]], budget: int) -> list[dict]:
+def trim_last(
+    codec: PromptCodec, messages: list[dict[str, Any]], budget: int
+) -> list[dict[str, Any]]:
     """System (if any) + the most recent messages whose prompt fits, starting on a user.
 
     ``kv_bench.trim_last`` for conversations with or without a system message.

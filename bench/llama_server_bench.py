@@ -32,9 +32,15 @@ llama-server ``/completion`` directly (the same server as chatctx's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
+import random
+import re
 import statistics
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,6 +54,7 @@ from chatctx.engine import Engine, default_model_path
 from chatctx.engine._codec import PromptCodec, open_codec
 from chatctx.replay import LoggedConversation, ReplayConfig, Replayer
 from chatctx.replay._run import _retained
+from chatctx.synthetic import support_conversation
 
 RESERVE = 16  # a teacher-forced replay's reply reserve
 ROWS = {
@@ -339,12 +346,369 @@ def add_decode(sub: Any) -> None:
     p.add_argument("--n-ctx", type=int, default=512, help="tokens per slot")
 
 
+SCALE_ROWS = {
+    "router": "(i) chatctx Router (rendezvous, sticky placement) -> 4 x LlamaServerBackend",
+    "rendezvous": "(i') raw HTTP, the router's rendezvous function, id_slot -1",
+    "round-robin": "(ii) raw HTTP, round-robin over servers per request, id_slot -1",
+    "random": "(ii') raw HTTP, a random server per request, id_slot -1",
+    "one-server": "(iii) raw HTTP, one llama-server with all the slots, id_slot -1",
+}
+
+
+def first_sentence(text: str) -> str:
+    match = re.match(r".+?[.!?](\s|$)", text)
+    return match.group(0).strip() if match else text
+
+
+def scripts(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
+    """The same short support chats for every setup: system + first sentences."""
+    out = {}
+    for n in range(args.convs):
+        messages = support_conversation(args.turns, seed=100 + n)["messages"]
+        out[f"conv-{n}"] = messages[:1] + [
+            {"role": m["role"], "content": first_sentence(m["content"])}
+            for m in messages[1:]
+            if m["role"] == "user"
+        ]
+    return out
+
+
+def in_rotation(
+    args: argparse.Namespace,
+    conversations: Sequence[str],
+    turn: Callable[[str, int], tuple[int, int]],
+) -> tuple[int, int, float]:
+    """``args.clients`` threads, each taking turn t of each of its conversations in turn.
+
+    ``turn(conversation, t)`` returns (prompt tokens, reused tokens). Returns the sums, wall s.
+    """
+    sums = [0, 0]
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def client(mine: Sequence[str]) -> None:
+        try:
+            for t in range(args.turns):
+                for cid in mine:
+                    prompt, reused = turn(cid, t)
+                    with lock:
+                        sums[0] += prompt
+                        sums[1] += reused
+        except BaseException as exc:
+            failures.append(exc)
+
+    started = time.perf_counter()
+    threads = [
+        threading.Thread(target=client, args=(conversations[i :: args.clients],))
+        for i in range(args.clients)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if failures:
+        raise failures[0]
+    return sums[0], sums[1], time.perf_counter() - started
+
+
+def raw_scale(
+    args: argparse.Namespace,
+    urls: Sequence[str],
+    pick: Callable[[str, int], str],
+    chats: dict[str, list[dict[str, str]]],
+    codec: PromptCodec,
+) -> tuple[int, int, float]:
+    histories = {cid: m[:1] for cid, m in chats.items()}
+    local = threading.local()
+
+    def turn(cid: str, t: int) -> tuple[int, int]:
+        if not hasattr(local, "http"):
+            local.http = {u: httpx.Client(base_url=u, timeout=900) for u in urls}
+        messages = histories[cid] + [chats[cid][1 + t]]
+        tokens = codec.prompt_tokens(messages)
+        body = {"prompt": tokens, "n_predict": args.max_tokens, "cache_prompt": True}
+        out, _ = ls.completion(local.http[pick(cid, t)], body | {"id_slot": -1, "temperature": 0.0})
+        histories[cid] = [*messages, {"role": "assistant", "content": out["content"]}]
+        timings = out["timings"]
+        return int(timings["cache_n"]) + int(timings["prompt_n"]), int(timings["cache_n"])
+
+    return in_rotation(args, list(chats), turn)
+
+
+def router_scale(
+    args: argparse.Namespace, urls: Sequence[str], chats: dict[str, list[dict[str, str]]]
+) -> tuple[int, int, float]:
+    from chatctx.router import Router
+
+    from chatctx.session import ChatSession
+    from chatctx.store import Store
+
+    module = backend_module()
+    model = args.model or default_model_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(f"sqlite:///{tmp}/scale.db")
+        backends = [module.LlamaServerBackend(u, model=model) for u in urls]
+        router = Router(backends, store=store, own=True)
+        sessions: dict[str, Any] = {}
+        lock = threading.Lock()
+
+        def turn(cid: str, t: int) -> tuple[int, int]:
+            with lock:
+                session = sessions.get(cid)
+            if session is None:
+                session = ChatSession.open(
+                    store,
+                    conversation_id=cid,
+                    model=router,
+                    system_prompt=chats[cid][0]["content"],
+                    settings={"max_tokens": args.max_tokens, "temperature": 0.0},
+                )
+                with lock:
+                    sessions[cid] = session
+            reply = session.send(chats[cid][1 + t]["content"])
+            return reply.usage.prompt_tokens, reply.usage.reused_tokens
+
+        try:
+            return in_rotation(args, list(chats), turn)
+        finally:
+            for session in sessions.values():
+                session.close()
+            router.close()
+            store.close()
+
+
+def picker(setup: str, urls: Sequence[str]) -> Callable[[str, int], str]:
+    """Which server gets turn ``t`` of conversation ``cid``."""
+    chooser = random.Random(7)
+    counter = itertools.count()
+    lock = threading.Lock()
+
+    def pick(cid: str, t: int) -> str:
+        if setup in ("rendezvous", "one-server"):
+            return max(urls, key=lambda u: ls.score(cid, u))
+        with lock:
+            if setup == "random":
+                return chooser.choice(urls)
+            return urls[next(counter) % len(urls)]
+
+    return pick
+
+
 def scale(args: argparse.Namespace) -> dict[str, Any]:
-    raise NotImplementedError
+    model = args.model or default_model_path()
+    codec = open_codec(model)
+    chats = scripts(args)
+    module = backend_module()
+    results: dict[str, Any] = {}
+    print(
+        f"\n{args.convs} conversations x {args.turns} turns from {args.clients} threads, "
+        f"{args.servers} llama-servers x {args.slots} slots of {args.n_ctx} tokens, "
+        f"replies of {args.max_tokens} tokens, {model.name}\n"
+    )
+    print("| setup | prompt tokens | reused | prefix hit ratio | evaluated (/metrics) | wall s |")
+    print("|---|---|---|---|---|---|")
+    for setup in args.setups.split(","):
+        if setup == "router" and module is None:
+            print(f"| {SCALE_ROWS[setup]} | (chatctx.llama_server not available) | | | | |")
+            continue
+        one = setup == "one-server"
+        counts = [1] if one else [args.slots] * args.servers
+        with contextlib.ExitStack() as stack:
+            servers = [
+                stack.enter_context(
+                    ls.llama_server(
+                        args.binary,
+                        model,
+                        slots=n if not one else args.slots * args.servers,
+                        n_ctx=args.n_ctx,
+                        threads=args.threads,
+                    )
+                )
+                for n in counts
+            ]
+            urls = [s.url for s in servers]
+            pick = picker(setup, urls)
+            if setup == "router":
+                prompt, reused, wall = router_scale(args, urls, chats)
+            else:
+                prompt, reused, wall = raw_scale(args, urls, pick, chats, codec)
+            evaluated = ls.prompt_tokens_total(urls)
+        results[setup] = {
+            "prompt": prompt,
+            "reused": reused,
+            "hit": reused / prompt,
+            "metrics_evaluated": evaluated,
+            "wall_s": wall,
+        }
+        print(
+            f"| {SCALE_ROWS[setup]} | {prompt:,} | {reused:,} | {reused / prompt:.3f} | "
+            f"{evaluated:,} | {wall:.0f} |",
+            flush=True,
+        )
+    return results
+
+
+# decode -----------------------------------------------------------------------------------
+
+
+def decode_prompts(n: int) -> list[list[dict[str, str]]]:
+    out = []
+    for i in range(n):
+        messages = support_conversation(1, seed=300 + i)["messages"]
+        out.append(messages[:2])
+    return out
+
+
+Stamp = tuple[float, float, float, int]  # start, first token, end (perf_counter s), tokens
+
+
+def concurrently(jobs: Sequence[Callable[[], Stamp]]) -> list[Stamp]:
+    """Run ``jobs`` in threads, all started together."""
+    stamps: list[Stamp | None] = [None] * len(jobs)
+    failures: list[BaseException] = []
+    go = threading.Barrier(len(jobs))
+
+    def run(i: int) -> None:
+        try:
+            go.wait()
+            stamps[i] = jobs[i]()
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if failures:
+        raise failures[0]
+    return [s for s in stamps if s is not None]
+
+
+def rates(stamps: Sequence[Stamp]) -> dict[str, float]:
+    """End-to-end tokens/s (prefill included), decode tokens/s (after each first token:
+    all tokens but the first over the time from the earliest first token to the last end),
+    TTFT median ms."""
+    tokens = sum(s[3] for s in stamps)
+    wall = max(s[2] for s in stamps) - min(s[0] for s in stamps)
+    window = max(s[2] for s in stamps) - min(s[1] for s in stamps)
+    return {
+        "tokens": tokens,
+        "e2e": tokens / wall,
+        "decode": (tokens - len(stamps)) / window,
+        "ttft_ms": statistics.median((s[1] - s[0]) * 1000 for s in stamps),
+    }
 
 
 def decode(args: argparse.Namespace) -> dict[str, Any]:
-    raise NotImplementedError
+    from chatctx.session import ChatSession
+    from chatctx.store import Store
+
+    model = args.model or default_model_path()
+    codec = open_codec(model)
+    module = backend_module()
+    prompts = decode_prompts(args.streams)
+    settings = {"max_tokens": args.tokens, "temperature": 0.0}
+    round_ = itertools.count()
+
+    def via_session(
+        backend: Any, store: Any, messages: list[dict[str, str]]
+    ) -> Callable[[], Stamp]:
+        def job() -> Stamp:
+            with ChatSession.open(
+                store,
+                conversation_id=f"decode-{next(round_)}",
+                model=backend,
+                system_prompt=messages[0]["content"],
+                settings=settings,
+            ) as chat:
+                start = time.perf_counter()
+                first = 0.0
+                for _ in chat.stream(messages[1]["content"]):
+                    first = first or time.perf_counter()
+                end = time.perf_counter()
+                reply = chat.last_reply
+                assert reply is not None
+                assert reply.usage.prompt_tokens == len(codec.prompt_tokens(messages))
+                return start, first, end, reply.usage.generated_tokens
+
+        return job
+
+    def direct(url: str, messages: list[dict[str, str]]) -> Callable[[], Stamp]:
+        tokens = codec.prompt_tokens(messages)
+
+        def job() -> Stamp:
+            body = {"prompt": tokens, "n_predict": args.tokens, "temperature": 0.0}
+            body |= {"cache_prompt": True, "stream": True, "id_slot": -1}
+            made, first = 0, 0.0
+            start = time.perf_counter()
+            with (
+                httpx.Client(base_url=url, timeout=900) as http,
+                http.stream("POST", "/completion", json=body) as r,
+            ):
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        first = first or time.perf_counter()
+                        if chunk.get("stop"):
+                            made = int(chunk["timings"]["predicted_n"])
+            return start, first, time.perf_counter(), made
+
+        return job
+
+    n_ctx = ls.pad256(args.n_ctx)
+    table: dict[str, dict[str, list[dict[str, float]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        store = stack.enter_context(Store(f"sqlite:///{tmp}/decode.db"))
+        engine = stack.enter_context(
+            Engine.load(model, n_ctx=n_ctx, slots=args.streams, n_threads=args.threads)
+        )
+        # One slot more than streams: chatctx keeps the last for summaries.
+        server = stack.enter_context(
+            ls.llama_server(
+                args.binary, model, slots=args.streams + 1, n_ctx=n_ctx, threads=args.threads
+            )
+        )
+        setups: dict[str, Callable[[list[dict[str, str]]], Callable[[], Stamp]]] = {
+            "chatctx in process (Engine)": lambda m: via_session(engine, store, m),
+            "llama-server /completion direct": lambda m: direct(server.url, m),
+        }
+        if module is not None:
+            backend = stack.enter_context(module.LlamaServerBackend(server.url, model=model))
+            setups["chatctx -> llama-server"] = lambda m: via_session(backend, store, m)
+        for _name, make in setups.items():  # warm-up: the prompts once each
+            concurrently([make(m) for m in prompts])
+        for _ in range(args.repeats):
+            for streams in (1, args.streams):
+                for name, make in setups.items():
+                    r = rates(concurrently([make(m) for m in prompts[:streams]]))
+                    table.setdefault(name, {}).setdefault(str(streams), []).append(r)
+                    print(
+                        f"{name}, {streams} streams: {r['tokens']} tokens, e2e "
+                        f"{r['e2e']:.1f} tok/s, decode {r['decode']:.1f} tok/s, "
+                        f"TTFT {r['ttft_ms']:.0f} ms",
+                        flush=True,
+                    )
+    n = str(args.streams)
+    print(f"\n| setup | 1 stream decode tok/s | {n} streams decode tok/s | 1 stream e2e tok/s | "
+          f"{n} streams e2e tok/s | decode vs direct (1 / {n}) | e2e vs direct (1 / {n}) | "
+          f"TTFT ms (1 / {n}) |")  # fmt: skip
+    print("|---" * 8 + "|")
+
+    def med(name: str, streams: str, key: str) -> float:
+        return statistics.median(r[key] for r in table[name][streams])
+
+    base = "llama-server /completion direct"
+    for name in table:
+        d1, dn = med(name, "1", "decode"), med(name, n, "decode")
+        e1, en = med(name, "1", "e2e"), med(name, n, "e2e")
+        print(
+            f"| {name} | {d1:.1f} | {dn:.1f} | {e1:.1f} | {en:.1f} | "
+            f"{d1 / med(base, '1', 'decode'):.3f} / {dn / med(base, n, 'decode'):.3f} | "
+            f"{e1 / med(base, '1', 'e2e'):.3f} / {en / med(base, n, 'e2e'):.3f} | "
+            f"{med(name, '1', 'ttft_ms'):.0f} / {med(name, n, 'ttft_ms'):.0f} |"
+        )
+    return table
 
 
 if __name__ == "__main__":
