@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         ModelError,
         StoreError,
     )
+    from chatctx.router import Router
     from chatctx.session import ChatSession, Reply
     from chatctx.store import Conversation, Message, Store, Turn
 
@@ -68,6 +69,7 @@ _WHERE = {
         "ModelError",
         "StoreError",
     ),
+    "chatctx.router": ("Router",),
     "chatctx.session": ("ChatSession", "Reply"),
     "chatctx.store": ("Conversation", "Message", "Store", "Turn"),
 }
@@ -97,6 +99,7 @@ __all__ = [
     "ModelError",
     "ModelInfo",
     "Reply",
+    "Router",
     "Settings",
     "Store",
     "StoreError",

@@ -37,6 +37,8 @@ class TurnInFlight:
     replies: list[Reply] | None = None
     finished: bool = False  # its reply is stored (or there was none to store)
     released: bool = False  # its slot is given back
+    yielded: bool = False  # text reached the reader: a failed backend can't be retried
+    failovers: int = 0  # times the turn moved to another backend before its first token
     lock: threading.RLock = field(default_factory=threading.RLock)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -92,4 +94,5 @@ def turn_figures(
         "swap_in_bytes": lease.swap_in_bytes,
         "reprefill_reason": lease.reprefill_reason,
         "batch_max": result.batch_max,
+        "backend": lease.backend,
     }

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -25,7 +26,15 @@ from pydantic import ValidationError
 
 from chatctx._resource import Closeable
 from chatctx._turn import TurnInFlight, turn_figures
-from chatctx.backend import Backend, GenerationResult, Lease, TextEmbedder, Timings, Usage
+from chatctx.backend import (
+    Backend,
+    GenerationResult,
+    Lease,
+    Stream,
+    TextEmbedder,
+    Timings,
+    Usage,
+)
 from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.context import (
     BackgroundSummarizer,
@@ -40,7 +49,14 @@ from chatctx.context import (
     summarizer_for,
     summary_limit,
 )
-from chatctx.errors import ChatctxError, ClosedError, ConfigError, DeadlineExceeded, StoreError
+from chatctx.errors import (
+    BackendUnavailable,
+    ChatctxError,
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+    StoreError,
+)
 from chatctx.store import Message, Store, Turn
 
 __all__ = ["ChatSession", "Reply"]
@@ -49,6 +65,7 @@ logger = logging.getLogger("chatctx.session")
 
 LEASE_POLL_S = 0.5  # a turn waiting for a slot looks this often whether its session closed
 CLOSE_WAIT_S = 10.0  # close() waits this long for turns still being prepared
+MAX_FAILOVERS = 2  # a turn whose backend fails before its first token is retried this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -712,6 +729,7 @@ class ChatSession(Closeable):
         replies: list[Reply] | None,
     ) -> Generator[str, None, None]:
         try:
+            lost: BackendUnavailable | None = None  # the backend failed to start it
             with turn.lock:
                 self._check_open()  # closed before the first chunk was asked for
                 built_at = time.perf_counter()
@@ -719,19 +737,27 @@ class ChatSession(Closeable):
                 turn.clock = (*leased, built_at, time.perf_counter())
                 turn.plan = built.plan
                 turn.replies = replies
-                assert turn.lease is not None
-                stream = turn.stream = self.engine.generate(
-                    built.tokens,
-                    seq_id=turn.lease.seq_id,
-                    settings=settings,
-                    eviction=eviction,
-                    history_start=built.plan.history_start,
-                )
+                try:
+                    self._generate(turn, built, settings, eviction)
+                except BackendUnavailable as exc:
+                    lost = exc
             failure: BaseException | None = None
             try:
-                for chunk in stream:
-                    self._turn_under_way.set()  # the first token is out
-                    yield chunk
+                while True:
+                    try:
+                        if lost is not None:
+                            self._fail_over(turn, built, settings, eviction, lost)
+                            lost = None
+                        assert turn.stream is not None
+                        for chunk in turn.stream:
+                            turn.yielded = True
+                            self._turn_under_way.set()  # the first token is out
+                            yield chunk
+                        break
+                    except BackendUnavailable as exc:
+                        if turn.yielded or turn.failovers >= MAX_FAILOVERS:
+                            raise
+                        lost = exc
             except GeneratorExit:  # the reader let go: the reply so far is stored
                 raise
             except BaseException as exc:
@@ -739,10 +765,61 @@ class ChatSession(Closeable):
                 raise
             finally:
                 self._turn_under_way.set()
-                stream.close()
+                if turn.stream is not None:
+                    turn.stream.close()
                 self._finish_turn(turn, failure)
         finally:
             self._end_turn(turn)
+
+    def _generate(
+        self, turn: TurnInFlight, built: BuildResult, settings: GenerationSettings, eviction: str
+    ) -> Stream:
+        assert turn.lease is not None
+        stream = turn.stream = self.engine.generate(
+            built.tokens,
+            seq_id=turn.lease.seq_id,
+            settings=settings,
+            eviction=eviction,
+            history_start=built.plan.history_start,
+        )
+        return stream
+
+    def _fail_over(
+        self,
+        turn: TurnInFlight,
+        built: BuildResult,
+        settings: GenerationSettings,
+        eviction: str,
+        exc: BackendUnavailable,
+    ) -> None:
+        """The backend went away before this turn's first token: run it again on the slot
+        a new lease gives (a router places the conversation on another backend). The user
+        message is stored once; the record says why the prompt was prefilled again."""
+        logger.warning(
+            "turn of %s moves off %s before its first token: %s",
+            self.conversation_id,
+            exc.backend,
+            exc,
+        )
+        turn.failovers += 1
+        with turn.lock:
+            old, stream = turn.lease, turn.stream
+            turn.lease = turn.stream = None
+            if stream is not None:
+                stream.close()
+            if old is not None:
+                if self._lease is old:
+                    self._lease = None
+                if not self.engine.closed:
+                    with contextlib.suppress(ChatctxError):
+                        self.engine.release(old)
+        lease = self._lease_slot(turn)
+        if lease.reprefill_reason is None and lease.swap_in is None:
+            lease = replace(lease, reprefill_reason=f"failover: {exc.backend} {exc.reason}")
+            turn.lease = self._lease = lease
+        with turn.lock:
+            self._check_open()
+            self._generate(turn, built, settings, eviction)
 
     def _finish_turn(self, turn: TurnInFlight, failure: BaseException | None = None) -> None:
         """Store what the turn generated with its record (once, whoever calls it).

@@ -41,7 +41,9 @@ def _logging(access_log: bool) -> None:
     "backend_urls",
     multiple=True,
     metavar="URL",
-    help="A llama-server to run turns on instead of a local model (repeat for several).",
+    help="A llama-server to run turns on instead of a local model (repeat for several: "
+    "conversations are routed, each kept on the server holding its cache; default "
+    "CHATCTX_BACKENDS). --model is then the GGUF the servers run, read for its tokenizer.",
 )
 @click.option(
     "--slots",
@@ -133,8 +135,6 @@ def serve(
     warm. The live cache page is at /, metrics at /metrics. SIGTERM drains: replies in
     flight finish (or are stored as partial at --drain-timeout), then the server exits 0.
     """
-    if model and backend_urls:
-        raise ConfigError("give --model or --backend, not both")
     try:
         from chatctx.serve import build_config_from, load_api_keys
         from chatctx.serve import serve as run

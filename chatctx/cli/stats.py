@@ -22,8 +22,10 @@ from chatctx.cli._common import (
 )
 from chatctx.errors import ConfigError, StoreError
 from chatctx.monitor import (
+    BackendTotals,
     SlotTable,
     SwapTotals,
+    backend_totals,
     default_slots_path,
     engines_dir,
     live_slot_tables,
@@ -61,6 +63,13 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
     help="Read this slot table file instead of every live engine's under "
     "CHATCTX_HOME/engines; implies --slots.",
 )
+@click.option(
+    "--backends",
+    is_flag=True,
+    help="Per backend behind a router (from the store's placements and turns): "
+    "conversations placed, turns, hit ratio, failovers, re-prefills by reason; with "
+    "--prometheus, add them as gauges.",
+)
 @handle_errors
 def stats(
     conversation_id: str | None,
@@ -69,6 +78,7 @@ def stats(
     prometheus: bool,
     slots: bool,
     slots_file: Path | None,
+    backends: bool,
 ) -> None:
     """Show what the KV cache did on every turn of a conversation, with totals.
 
@@ -90,6 +100,21 @@ def stats(
                 f"(nor is there {default_slots_path()})"
             )
     with Store(resolve_db(db)) as store:
+        per_backend = None
+        if backends:
+            ids = [conversation_id] if conversation_id else None
+            all_turns_of = [
+                t for cid in ids or [c.id for c in store.list_conversations()]
+                for t in store.turns(cid)
+            ]  # fmt: skip
+            counts = store.placement_counts()
+            if ids:
+                placed = store.get_placement(conversation_id or "")
+                counts = {placed.backend: 1} if placed else {}
+            per_backend = backend_totals(all_turns_of, counts)
+            if not prometheus:
+                _show_backends(per_backend, conversation_id, as_json)
+                return
         if prometheus or tables is not None:
             ids = (
                 [conversation_id] if conversation_id else [c.id for c in store.list_conversations()]
@@ -98,11 +123,16 @@ def stats(
                 store.get_conversation(cid)
             by_conversation = {cid: store.turns(cid) for cid in ids}
             if prometheus:
+                gauges = per_backend or ()
                 if tables is not None and len(tables) > 1:
-                    text = prometheus_text(by_conversation, slot_tables=[t for _, t in tables])
+                    text = prometheus_text(
+                        by_conversation, slot_tables=[t for _, t in tables], backends=gauges
+                    )
                 else:
                     text = prometheus_text(
-                        by_conversation, slot_table=tables[0][1] if tables else None
+                        by_conversation,
+                        slot_table=tables[0][1] if tables else None,
+                        backends=gauges,
                     )
                 click.echo(text, nl=False)
                 return
@@ -336,3 +366,43 @@ def _show_slots(
         for reason, count in turns.reprefill_reasons.items():
             reasons.add_row(escape(reason), str(count))
         console.print(reasons)
+
+
+def _show_backends(
+    rows: Sequence[BackendTotals], conversation_id: str | None, as_json: bool
+) -> None:
+    if as_json:
+        print_json({"conversation": conversation_id, "backends": [r.as_dict() for r in rows]})
+        return
+    if not rows:
+        console.print("no conversation was placed by a router (no placements, no backend turns)")
+        return
+    table = Table(
+        "backend",
+        "conversations",
+        "turns",
+        "hit ratio",
+        "failovers",
+        "re-prefills",
+        "TTFT p50 ms",
+        "p95",
+        title="Backends",
+    )
+    for r in rows:
+        table.add_row(
+            escape(r.backend),
+            str(r.conversations),
+            str(r.turns),
+            _fmt(r.cache_hit_ratio, ".2f"),
+            str(r.failovers),
+            str(r.reprefills),
+            _fmt(r.ttft_p50_ms),
+            _fmt(r.ttft_p95_ms),
+        )
+    console.print(table)
+    reasons: dict[str, int] = {}
+    for r in rows:
+        for reason, n in r.reprefill_reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        console.print(f"re-prefilled: {escape(reason)} · {n} turns")

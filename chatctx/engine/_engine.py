@@ -37,6 +37,7 @@ from chatctx.engine._pool import KVSlots
 from chatctx.engine._scheduler import BatchCounters, Job, Scheduler
 from chatctx.engine._sequences import Insert, prepare
 from chatctx.engine._slots import PooledLeases
+from chatctx.engine._swap import SwapEntry, fingerprint_mismatch
 from chatctx.engine._template import template_for
 from chatctx.errors import (
     ChatctxError,
@@ -420,6 +421,26 @@ class Engine(PooledLeases, Closeable):
                 self.context.seq_rm(seq, 0, -1)
                 self._mirror[seq].clear()
                 self.pool.forget(seq)
+
+    # moving a conversation to another engine (a router's drain) ------------------------
+
+    def export_state(self, conversation: str) -> SwapEntry | None:
+        """Take ``conversation``'s KV state out of this engine (its slot or its swap): the
+        state, or None when it holds none. Waits for its turn in flight to end."""
+        self._check_open()
+        self.pool.evict(conversation)
+        return self.kv_slots.swap.take(conversation).entry
+
+    def import_state(self, conversation: str, state: object) -> bool:
+        """Keep a state ``export_state`` gave (of an engine with the same fingerprint) for
+        ``conversation``'s next lease, which restores it instead of prefilling. False when
+        the state is not one this engine can load."""
+        self._check_open()
+        if not isinstance(state, SwapEntry) or state.owner != conversation:
+            return False
+        if fingerprint_mismatch(state.fingerprint, self.kv_slots.swap.fingerprint):
+            return False
+        return self.kv_slots.swap.put(state) != "dropped"
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

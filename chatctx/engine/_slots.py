@@ -189,6 +189,33 @@ class SlotPool:
                 slot.owner = None
                 self._cv.notify_all()
 
+    def evict(self, owner: str) -> bool:
+        """Swap ``owner``'s cache out of its slot (the slot is free after); False when it
+        holds none. Waits while its turn is in flight or its state is being moved."""
+        with self._cv:
+            while True:
+                self._check_open()
+                slot = self.slot_of(owner)
+                if slot is None:
+                    return False
+                if not slot.leased and owner not in self._moving:
+                    break
+                self._cv.wait()
+            if slot.pinned:
+                raise ConfigError(f"conversation {owner!r} is pinned to slot {slot.seq_id}")
+            slot.leased = True  # nobody takes it while its state is saved
+            self._moving.add(owner)
+        try:
+            self._swap_out(slot.seq_id, owner)
+        finally:
+            with self._cv:
+                slot.leased = False
+                slot.owner = None
+                self._moving.discard(owner)
+                self._cv.notify_all()
+        self._on_change()
+        return True
+
     def wait_released(self, timeout: float) -> bool:
         """Wait until no slot is leased (at most ``timeout`` seconds); True if none is."""
         deadline = time.monotonic() + timeout

@@ -14,10 +14,19 @@ from chatctx.monitor._slots import (
     read_slot_table,
     write_slot_table,
 )
-from chatctx.monitor._stats import SwapTotals, Totals, percentile, swap_totals, totals
+from chatctx.monitor._stats import (
+    BackendTotals,
+    SwapTotals,
+    Totals,
+    backend_totals,
+    percentile,
+    swap_totals,
+    totals,
+)
 
 __all__ = [
     "SLOT_TABLE_VERSION",
+    "BackendTotals",
     "MemorySnapshot",
     "ReservedRow",
     "SlotRow",
@@ -25,6 +34,7 @@ __all__ = [
     "SwapTotals",
     "SwappedRow",
     "Totals",
+    "backend_totals",
     "default_slots_path",
     "engines_dir",
     "gpu_memory",

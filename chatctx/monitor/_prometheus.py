@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from chatctx.monitor._device import MemorySnapshot
 from chatctx.monitor._slots import SWAP_PLACES, SlotTable
-from chatctx.monitor._stats import swap_totals, totals
+from chatctx.monitor._stats import BackendTotals, swap_totals, totals
 from chatctx.store import Turn
 
 
@@ -161,6 +161,7 @@ def prometheus_text(
     live_memory: MemorySnapshot | None = None,
     slot_table: SlotTable | None = None,
     slot_tables: Sequence[SlotTable] = (),
+    backends: Sequence[BackendTotals] = (),
 ) -> str:
     """Exposition text for each conversation's turns, plus live KV usage when given.
 
@@ -171,7 +172,9 @@ def prometheus_text(
     (``read_slot_table()``) adds the slot pool: slots leased, cells per slot, swapped bytes,
     swap-in/out counts and times, and batch steps and tokens. ``slot_tables`` (several
     engines under one home, ``live_slot_tables()``) adds each one's, labelled
-    ``engine="<pid>"``.
+    ``engine="<pid>"``. ``backends`` (``backend_totals()``, behind a router) adds per-backend
+    gauges labelled ``backend="<name>"``: conversations placed, slots busy, hit ratio,
+    failovers and re-prefills by reason.
     """
     lines: list[str] = []
     stats = {cid: totals(turns) for cid, turns in conversations.items()}
@@ -278,7 +281,49 @@ def prometheus_text(
         lines += _slot_lines(slot_table)
     if slot_tables:
         lines += _engine_lines(slot_tables)
+    if backends:
+        lines += _backend_lines(backends)
     return "\n".join(lines) + "\n"
+
+
+_BACKEND_GAUGES = (
+    ("chatctx_backend_conversations", "conversations", "gauge", "Conversations placed on it."),
+    ("chatctx_backend_slots_busy", "slots_busy", "gauge", "Its slots leased now."),
+    ("chatctx_backend_cache_hit_ratio", "cache_hit_ratio", "gauge", "Reused / prompt tokens."),
+    ("chatctx_backend_turns_total", "turns", "counter", "Turns it ran."),
+    ("chatctx_backend_failovers_total", "failovers", "counter", "Turns moved to it by failover."),
+)
+
+
+def _backend_lines(backends: Sequence[BackendTotals]) -> list[str]:
+    lines: list[str] = []
+    for metric, attr, kind, help_text in _BACKEND_GAUGES:
+        rows = [(b.backend, getattr(b, attr)) for b in backends if getattr(b, attr) is not None]
+        if not rows:
+            continue
+        lines += [
+            f"# HELP {metric} Per backend behind a router: {help_text}",
+            f"# TYPE {metric} {kind}",
+        ]
+        lines += [f"{metric}{_labels(backend=name)} {_number(value)}" for name, value in rows]
+    states = [(b.backend, b.state) for b in backends if b.state is not None]
+    if states:
+        lines += [
+            "# HELP chatctx_backend_up 1 when the backend takes turns, 0 when down or draining.",
+            "# TYPE chatctx_backend_up gauge",
+        ]
+        lines += [f"chatctx_backend_up{_labels(backend=n)} {int(st == 'up')}" for n, st in states]
+    lines += [
+        "# HELP chatctx_backend_reprefills_total Turns that prefilled again there, by reason.",
+        "# TYPE chatctx_backend_reprefills_total counter",
+    ]
+    for b in backends:
+        for reason, count in b.reprefill_reasons.items():
+            lines.append(
+                f"chatctx_backend_reprefills_total{_labels(backend=b.backend, reason=reason)} "
+                f"{count}"
+            )
+    return lines
 
 
 def _engine_lines(tables: Sequence[SlotTable]) -> list[str]:

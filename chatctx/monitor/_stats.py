@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -104,3 +104,74 @@ def swap_totals(turns: Sequence[Turn]) -> SwapTotals:
         reprefill_reasons=dict(sorted(reasons.items(), key=lambda item: (-item[1], item[0]))),
         batch_max=max(widths) if widths else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class BackendTotals:
+    """One backend's share, where a router spreads conversations over several."""
+
+    backend: str
+    conversations: int  # placed there now
+    turns: int
+    prompt_tokens: int
+    reused_tokens: int
+    evaluated_tokens: int
+    cache_hit_ratio: float | None  # reused / prompt tokens of its turns
+    failovers: int  # turns that prefilled again because their backend had failed
+    reprefills: int  # turns that prefilled again, for whatever reason
+    reprefill_reasons: dict[str, int]  # reason (its first words) -> turns
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    slots_busy: int | None = None  # leased now (a live router's figure)
+    state: str | None = None  # up | down | draining (a live router's figure)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _reason_kind(reason: str) -> str:
+    """A re-prefill reason without the names in it: "failover", "drained", "state refused"."""
+    head = reason.split(":", 1)[0].strip()
+    return head if head in ("failover", "drained") else reason.split("(", 1)[0].strip()
+
+
+def backend_totals(
+    turns: Sequence[Turn],
+    placements: Mapping[str, int],
+    live: Sequence[Mapping[str, Any]] = (),
+) -> list[BackendTotals]:
+    """Per backend: conversations placed (``placements``, from ``Store.placement_counts``),
+    hit ratio, failovers and re-prefills by reason over its turns; ``live``
+    (``Router.stats()``) adds slots busy and state. Turns with no backend are left out."""
+    by_backend: dict[str, list[Turn]] = {}
+    for turn in turns:
+        if turn.backend is not None:
+            by_backend.setdefault(turn.backend, []).append(turn)
+    now = {row["backend"]: row for row in live}
+    names = sorted(set(by_backend) | set(placements) | set(now))
+    rows = []
+    for name in names:
+        mine = by_backend.get(name, [])
+        prompt = sum(t.prompt_tokens for t in mine)
+        reused = sum(t.reused_tokens for t in mine)
+        reasons = Counter(_reason_kind(t.reprefill_reason) for t in mine if t.reprefill_reason)
+        ttfts = [t.ttft_ms for t in mine if t.ttft_ms is not None]
+        rows.append(
+            BackendTotals(
+                backend=name,
+                conversations=int(placements.get(name, 0)),
+                turns=len(mine),
+                prompt_tokens=prompt,
+                reused_tokens=reused,
+                evaluated_tokens=sum(t.evaluated_tokens for t in mine),
+                cache_hit_ratio=reused / prompt if prompt else None,
+                failovers=reasons.get("failover", 0),
+                reprefills=sum(reasons.values()),
+                reprefill_reasons=dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
+                ttft_p50_ms=percentile(ttfts, 50),
+                ttft_p95_ms=percentile(ttfts, 95),
+                slots_busy=now[name].get("slots_busy") if name in now else None,
+                state=now[name].get("state") if name in now else None,
+            )
+        )
+    return rows

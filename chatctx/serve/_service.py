@@ -50,12 +50,26 @@ def server_backend_class() -> Any:
 
 
 def make_backend(
-    model: str | None, backend_urls: Sequence[str], engine_options: Mapping[str, Any]
+    model: str | None,
+    backend_urls: Sequence[str],
+    engine_options: Mapping[str, Any],
+    store: Store | None = None,
 ) -> Backend:
-    """The backend ``serve`` runs: llama-server(s) at ``backend_urls``, else a local engine."""
-    if backend_urls:
-        backend: Backend = server_backend_class()(list(backend_urls))
-        return backend
+    """The backend ``serve`` runs: the llama-server at ``backend_urls`` (several: a router
+    over them, placements kept in ``store``; none given: ``CHATCTX_BACKENDS``), else a
+    local engine. With servers, ``model`` is the GGUF the local tokenizer reads."""
+    from chatctx.router import backends_from_env
+
+    urls = list(backend_urls) or backends_from_env()
+    if urls:
+        server = server_backend_class()
+        backends = [server(url, model=model) for url in urls]
+        if len(backends) == 1:
+            backend: Backend = backends[0]
+            return backend
+        from chatctx.router import Router
+
+        return Router(backends, store=store, own=True)
     from chatctx.engine import Engine
 
     return Engine.load(model, **engine_options)
@@ -206,7 +220,10 @@ class Service:
             self.ephemeral = Store("sqlite://")
             if self.backend is None:
                 self.backend = make_backend(
-                    self.config.model, self.config.backend_urls, self.config.engine_options
+                    self.config.model,
+                    self.config.backend_urls,
+                    self.config.engine_options,
+                    store=self.store,
                 )
             self.loaded = True
             logger.info("serving %s", self.model_id)

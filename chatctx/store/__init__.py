@@ -11,6 +11,7 @@ from chatctx.store._jsonl import (
     read_jsonl,
 )
 from chatctx.store._migrate import current_revision, head_revision, migrations_dir, upgrade
+from chatctx.store._placements import Placement
 from chatctx.store._records import (
     ROLES,
     Conversation,
@@ -25,6 +26,7 @@ __all__ = [
     "Conversation",
     "ConversationRecord",
     "Message",
+    "Placement",
     "Store",
     "StoredContextState",
     "Summary",

@@ -26,10 +26,12 @@ from chatctx.store._models import (
     ConversationRow,
     MessageRow,
     MessageTokensRow,
+    PlacementRow,
     SummaryRow,
     TurnRow,
     utcnow,
 )
+from chatctx.store._placements import PlacementStore
 from chatctx.store._records import (
     ROLES,
     Conversation,
@@ -154,7 +156,7 @@ def _add_turn(session: Session, conversation_id: str, figures: Mapping[str, Any]
     return row
 
 
-class Store(Closeable):
+class Store(PlacementStore, Closeable):
     """Conversations, messages, summaries and per-turn figures in one database.
 
     Opening a store upgrades its schema to the newest migration. Use as a context manager.
@@ -329,6 +331,9 @@ class Store(Closeable):
             if row is None:
                 raise ConversationNotFound(conversation_id)
             session.delete(row)
+            session.execute(
+                delete(PlacementRow).where(PlacementRow.conversation_id == conversation_id)
+            )
 
     # messages ------------------------------------------------------------------------------
 

@@ -170,6 +170,7 @@ class TurnRow(Base):
     swap_in_bytes: Mapped[int | None] = mapped_column(BigInteger)
     reprefill_reason: Mapped[str | None] = mapped_column(Text)
     batch_max: Mapped[int | None] = mapped_column(Integer)
+    backend: Mapped[str | None] = mapped_column(String(255))  # where several serve: which
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -197,3 +198,22 @@ class ContextStateRow(Base):
     summary_id: Mapped[int | None] = mapped_column(ForeignKey("summaries.id", ondelete="SET NULL"))
     pending_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class PlacementRow(Base):
+    """Which backend holds a conversation's cache, where a router spreads them over several.
+
+    Every bot process and machine reads the same row, so a conversation's turns all go to
+    one backend. ``moved_from``/``move_reason`` say why it last moved (failover, drain).
+    No foreign key: a router may place a conversation before its first message is stored;
+    ``Store.delete_conversation`` removes the row with the conversation.
+    """
+
+    __tablename__ = "placements"
+
+    conversation_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    backend: Mapped[str] = mapped_column(String(255), index=True)
+    placed_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    moves: Mapped[int] = mapped_column(Integer, default=0)
+    moved_from: Mapped[str | None] = mapped_column(String(255))
+    move_reason: Mapped[str | None] = mapped_column(Text)

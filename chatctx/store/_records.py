@@ -96,6 +96,7 @@ class Turn:
     swap_in_bytes: int | None = None
     reprefill_reason: str | None = None  # why a swapped state was refused (prefilled again)
     batch_max: int | None = None  # most sequences decoded together in one step
+    backend: str | None = None  # the backend that ran the turn, where a router spreads them
 
 
 @dataclass(frozen=True, slots=True)
