@@ -173,6 +173,7 @@ def _turn_row(t: Any) -> dict[str, Any]:
         "evaluated": t.evaluated_tokens,
         "ttft_ms": t.ttft_ms or 0.0,
         "probe": None,
+        "own_new": t.new_tokens,  # chatctx's own count: recalled tokens are new there
     }
 
 
@@ -195,6 +196,11 @@ def figures(chats: list[list[dict[str, Any]]], new: int) -> dict[str, Any]:
         "ttft_ratio": statistics.median(last) / statistics.median(first),
         "retained": sum(probes),
         "probes": len(probes),
+        # For chatctx rows: evaluated over chatctx's own new tokens, where a recalled
+        # message counts as new (it was never at that place in a prompt), as recall_bench has it.
+        "own_amplification": evaluated / sum(r.get("own_new", 0) for r in turns)
+        if all("own_new" in r for r in turns)
+        else None,
     }
 
 
@@ -234,8 +240,8 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
         )
         print("| setup | prefill amplification | hit ratio | TTFT p50 first 10 ms | "
               "TTFT p50 last 10 ms | last/first | fact retention | evaluated (server "
-              "/metrics) | wall s |")  # fmt: skip
-        print("|---" * 9 + "|")
+              "/metrics) | amplification, recalled tokens as new | wall s |")  # fmt: skip
+        print("|---" * 10 + "|")
         table: dict[str, Any] = {}
         for key in args.rows.split(","):
             started = time.perf_counter()
@@ -252,7 +258,7 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                     per_chat = [chatctx_chat(engine, c, budget) for c in chats]
             else:
                 if module is None:
-                    print(f"| {ROWS[key]} | (chatctx.llama_server not available) |" + " |" * 7)
+                    print(f"| {ROWS[key]} | (chatctx.llama_server not available) |" + " |" * 8)
                     continue
                 extra = ["--cache-reuse", "64"] if key == "e" else []
                 # Two slots: chatctx keeps the last one for summaries.
@@ -273,8 +279,11 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                 f"| {ROWS[key]} | {f['amplification']:.2f} | {f['hit']:.2f} | "
                 f"{f['ttft_first_ms']:.0f} | {f['ttft_last_ms']:.0f} | {f['ttft_ratio']:.2f} | "
                 f"{f['retained']}/{f['probes']} = {f['retained'] / max(1, f['probes']):.2f} | "
-                f"{f['evaluated']:,}" + (f" ({int(check):,})" if check else "") + " | "
-                f"{f['wall_s']:.0f} |",
+                f"{f['evaluated']:,}"
+                + (f" ({int(check):,})" if check else "")
+                + " | "
+                + (f"{f['own_amplification']:.2f}" if f["own_amplification"] else "-")
+                + f" | {f['wall_s']:.0f} |",
                 flush=True,
             )
         if not args.no_dry:
@@ -439,7 +448,6 @@ def router_scale(
     args: argparse.Namespace, urls: Sequence[str], chats: dict[str, list[dict[str, str]]]
 ) -> tuple[int, int, float]:
     from chatctx.router import Router
-
     from chatctx.session import ChatSession
     from chatctx.store import Store
 
