@@ -52,6 +52,7 @@ import recall_bench as rb
 
 from chatctx.engine import Engine, default_model_path
 from chatctx.engine._codec import PromptCodec, open_codec
+from chatctx.engine._kv import common_prefix
 from chatctx.replay import LoggedConversation, ReplayConfig, Replayer
 from chatctx.replay._run import _retained
 from chatctx.synthetic import support_conversation
@@ -385,13 +386,15 @@ def scripts(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
 def in_rotation(
     args: argparse.Namespace,
     conversations: Sequence[str],
-    turn: Callable[[str, int], tuple[int, int]],
-) -> tuple[int, int, float]:
+    turn: Callable[[str, int], tuple[int, int, int]],
+) -> tuple[int, int, int, float]:
     """``args.clients`` threads, each taking turn t of each of its conversations in turn.
 
-    ``turn(conversation, t)`` returns (prompt tokens, reused tokens). Returns the sums, wall s.
+    ``turn(conversation, t)`` returns (prompt tokens, reused, reusable) tokens; reusable is
+    what a cache holding the conversation's last prompt and reply could have reused (0 where
+    unknown). Returns the sums and the wall time.
     """
-    sums = [0, 0]
+    sums = [0, 0, 0]
     lock = threading.Lock()
     failures: list[BaseException] = []
 
@@ -399,10 +402,11 @@ def in_rotation(
         try:
             for t in range(args.turns):
                 for cid in mine:
-                    prompt, reused = turn(cid, t)
+                    prompt, reused, reusable = turn(cid, t)
                     with lock:
                         sums[0] += prompt
                         sums[1] += reused
+                        sums[2] += reusable
         except BaseException as exc:
             failures.append(exc)
 
@@ -417,7 +421,7 @@ def in_rotation(
         th.join()
     if failures:
         raise failures[0]
-    return sums[0], sums[1], time.perf_counter() - started
+    return sums[0], sums[1], sums[2], time.perf_counter() - started
 
 
 def raw_scale(
@@ -426,27 +430,37 @@ def raw_scale(
     pick: Callable[[str, int], str],
     chats: dict[str, list[dict[str, str]]],
     codec: PromptCodec,
-) -> tuple[int, int, float]:
+) -> tuple[int, int, int, float]:
     histories = {cid: m[:1] for cid, m in chats.items()}
+    cached: dict[str, list[int]] = {cid: [] for cid in chats}  # last prompt + reply tokens
+    first = next(iter(chats.values()))
+    system = codec.prompt_tokens(first[:1], add_generation_prompt=False)
     local = threading.local()
 
-    def turn(cid: str, t: int) -> tuple[int, int]:
+    def turn(cid: str, t: int) -> tuple[int, int, int]:
         if not hasattr(local, "http"):
             local.http = {u: httpx.Client(base_url=u, timeout=900) for u in urls}
         messages = histories[cid] + [chats[cid][1 + t]]
         tokens = codec.prompt_tokens(messages)
         body = {"prompt": tokens, "n_predict": args.max_tokens, "cache_prompt": True}
-        out, _ = ls.completion(local.http[pick(cid, t)], body | {"id_slot": -1, "temperature": 0.0})
+        body |= {"id_slot": -1, "temperature": 0.0, "return_tokens": True}
+        out, _ = ls.completion(local.http[pick(cid, t)], body)
         histories[cid] = [*messages, {"role": "assistant", "content": out["content"]}]
+        # The most a cache could give: this conversation's last prompt and reply, or the
+        # system prompt that every conversation shares.
+        shared = common_prefix(system, tokens)
+        reusable = min(max(common_prefix(cached[cid], tokens), shared), len(tokens) - 1)
+        cached[cid] = tokens + list(out.get("tokens") or [])
         timings = out["timings"]
-        return int(timings["cache_n"]) + int(timings["prompt_n"]), int(timings["cache_n"])
+        prompt = int(timings["cache_n"]) + int(timings["prompt_n"])
+        return prompt, int(timings["cache_n"]), reusable
 
     return in_rotation(args, list(chats), turn)
 
 
 def router_scale(
     args: argparse.Namespace, urls: Sequence[str], chats: dict[str, list[dict[str, str]]]
-) -> tuple[int, int, float]:
+) -> tuple[int, int, int, float]:
     from chatctx.router import Router
     from chatctx.session import ChatSession
     from chatctx.store import Store
@@ -460,7 +474,7 @@ def router_scale(
         sessions: dict[str, Any] = {}
         lock = threading.Lock()
 
-        def turn(cid: str, t: int) -> tuple[int, int]:
+        def turn(cid: str, t: int) -> tuple[int, int, int]:
             with lock:
                 session = sessions.get(cid)
             if session is None:
@@ -474,7 +488,7 @@ def router_scale(
                 with lock:
                     sessions[cid] = session
             reply = session.send(chats[cid][1 + t]["content"])
-            return reply.usage.prompt_tokens, reply.usage.reused_tokens
+            return reply.usage.prompt_tokens, reply.usage.reused_tokens, 0
 
         try:
             return in_rotation(args, list(chats), turn)
@@ -513,11 +527,14 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.servers} llama-servers x {args.slots} slots of {args.n_ctx} tokens, "
         f"replies of {args.max_tokens} tokens, {model.name}\n"
     )
-    print("| setup | prompt tokens | reused | prefix hit ratio | evaluated (/metrics) | wall s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| setup | prompt tokens | reused | prefix hit ratio | reusable (last prompt + reply "
+        "cached) | hit / reusable | evaluated (/metrics) | wall s |"
+    )
+    print("|---" * 8 + "|")
     for setup in args.setups.split(","):
         if setup == "router" and module is None:
-            print(f"| {SCALE_ROWS[setup]} | (chatctx.llama_server not available) | | | | |")
+            print(f"| {SCALE_ROWS[setup]} | (chatctx.llama_server not available) |" + " |" * 6)
             continue
         one = setup == "one-server"
         counts = [1] if one else [args.slots] * args.servers
@@ -537,20 +554,22 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
             urls = [s.url for s in servers]
             pick = picker(setup, urls)
             if setup == "router":
-                prompt, reused, wall = router_scale(args, urls, chats)
+                prompt, reused, reusable, wall = router_scale(args, urls, chats)
             else:
-                prompt, reused, wall = raw_scale(args, urls, pick, chats, codec)
+                prompt, reused, reusable, wall = raw_scale(args, urls, pick, chats, codec)
             evaluated = ls.prompt_tokens_total(urls)
         results[setup] = {
             "prompt": prompt,
             "reused": reused,
             "hit": reused / prompt,
+            "reusable": reusable or None,
             "metrics_evaluated": evaluated,
             "wall_s": wall,
         }
         print(
             f"| {SCALE_ROWS[setup]} | {prompt:,} | {reused:,} | {reused / prompt:.3f} | "
-            f"{evaluated:,} | {wall:.0f} |",
+            + (f"{reusable / prompt:.3f} | {reused / reusable:.3f}" if reusable else "- | -")
+            + f" | {evaluated:,} | {wall:.0f} |",
             flush=True,
         )
     return results
