@@ -64,6 +64,12 @@ ROWS = {
     "c": "(c) chatctx in process (Engine)",
     "d": "(d) chatctx -> llama-server (default)",
     "e": "(e) chatctx -> llama-server --cache-reuse 64",
+    # The same with recall off (the extractive summary alone): recalled messages are
+    # evaluated in front of the new one, and count as overhead against the full
+    # conversation's new tokens.
+    "c0": "(c') chatctx in process, recall off",
+    "d0": "(d') chatctx -> llama-server (default), recall off",
+    "e0": "(e') chatctx -> llama-server --cache-reuse 64, recall off",
 }
 
 
@@ -140,12 +146,14 @@ def naive_chat(
     return rows
 
 
-def chatctx_chat(backend: Any, c: LoggedConversation, budget: int) -> list[dict[str, Any]]:
+def chatctx_chat(
+    backend: Any, c: LoggedConversation, budget: int, recall: bool = True
+) -> list[dict[str, Any]]:
     """One chat through ``Replayer`` (a ``ChatSession`` per chat, ``record_turn``)."""
     import chatctx.replay._run as run
 
     rows: list[dict[str, Any]] = []
-    cfg = ReplayConfig(mode="teacher", budget=budget, reserve=RESERVE)
+    cfg = ReplayConfig(mode="teacher", budget=budget, reserve=RESERVE, recall=recall)
     outcomes: list[bool] = []
 
     def retained(fact: str, messages: Sequence[dict[str, Any]]) -> bool:
@@ -247,21 +255,21 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
         for key in args.rows.split(","):
             started = time.perf_counter()
             check = ""
-            if key in "ab":
+            if key in ("a", "b"):
                 extra = ["--cache-reuse", "64"] if key == "b" else []
                 with ls.llama_server(
                     args.binary, model, slots=1, n_ctx=n_ctx, threads=args.threads, extra=extra
                 ) as server:
                     per_chat = [naive_chat(server.url, c, codec, budget) for c in chats]
                     check = str(ls.prompt_tokens_total([server.url]))
-            elif key == "c":
+            elif key.startswith("c"):
                 with Engine.load(model, n_ctx=n_ctx, n_seq_max=2, n_threads=args.threads) as engine:
-                    per_chat = [chatctx_chat(engine, c, budget) for c in chats]
+                    per_chat = [chatctx_chat(engine, c, budget, key == "c") for c in chats]
             else:
                 if module is None:
                     print(f"| {ROWS[key]} | (chatctx.llama_server not available) |" + " |" * 8)
                     continue
-                extra = ["--cache-reuse", "64"] if key == "e" else []
+                extra = ["--cache-reuse", "64"] if key.startswith("e") else []
                 # Two slots: chatctx keeps the last one for summaries.
                 with (
                     ls.llama_server(
@@ -270,7 +278,7 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                     ) as server,
                     module.LlamaServerBackend(server.url, model=model) as backend,
                 ):  # fmt: skip
-                    per_chat = [chatctx_chat(backend, c, budget) for c in chats]
+                    per_chat = [chatctx_chat(backend, c, budget, len(key) == 1) for c in chats]
                     check = str(ls.prompt_tokens_total([server.url]))
             f = figures(per_chat, new)
             f["wall_s"] = time.perf_counter() - started
