@@ -365,7 +365,7 @@ def add_decode(sub: Any) -> None:
 
 
 SCALE_ROWS = {
-    "router": "(i) chatctx Router (rendezvous, sticky placement) -> 4 x LlamaServerBackend",
+    "router": "(i) chatctx Router (rendezvous, sticky placement), a LlamaServerBackend per server",
     "rendezvous": "(i') raw HTTP, the router's rendezvous function, id_slot -1",
     "round-robin": "(ii) raw HTTP, round-robin over servers per request, id_slot -1",
     "random": "(ii') raw HTTP, a random server per request, id_slot -1",
