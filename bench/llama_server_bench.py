@@ -225,8 +225,13 @@ def dry_retention(
             if turn in asked:
                 probes += 1
                 kept += _retained(asked[turn], ls.trim_last(codec, messages[: i + 1], budget)[:-1])
-    result = rb.run(conversations, ReplayConfig(mode="dry", budget=budget), codec)
-    return {"naive": kept / probes, "chatctx": result["retained"] / result["probes"]}
+    out = {"naive": kept / probes}
+    for name, recall in (("chatctx", True), ("chatctx, recall off", False)):
+        result = rb.run(
+            conversations, ReplayConfig(mode="dry", budget=budget, recall=recall), codec
+        )
+        out[name] = result["retained"] / result["probes"]
+    return out
 
 
 def peers(args: argparse.Namespace) -> dict[str, Any]:
@@ -299,7 +304,8 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
             dry = dry_retention(conversations, codec, budget)
             print(
                 f"\nretention on all {len(conversations)} chats of the set, from the context "
-                f"alone (no model): naive trim {dry['naive']:.2f}, chatctx {dry['chatctx']:.2f}",
+                f"alone (no model): naive trim {dry['naive']:.2f}, chatctx {dry['chatctx']:.2f}, "
+                f"chatctx with recall off {dry['chatctx, recall off']:.2f}",
                 flush=True,
             )
             table["dry_retention_all_chats"] = dry
