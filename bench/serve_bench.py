@@ -95,10 +95,16 @@ async def sse_turn(
     return first, "".join(parts), extension
 
 
-async def http_load(url: str, args: argparse.Namespace, *, stateful: bool) -> dict[str, Any]:
+async def http_load(
+    url: str, args: argparse.Namespace, *, stateful: bool, keepalive: bool = True
+) -> dict[str, Any]:
     ttfts: list[float] = []
     evaluated: list[int] = []
-    limits = httpx.Limits(max_connections=args.clients + 4)
+    # llama-server closes a kept-alive connection after a few idle seconds, which a loaded
+    # machine reaches between two turns: its clients open a connection per turn.
+    limits = httpx.Limits(
+        max_connections=args.clients + 4, max_keepalive_connections=None if keepalive else 0
+    )
 
     async def customer(n: int) -> None:
         history: list[dict[str, str]] = []
@@ -224,6 +230,7 @@ def llama_server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
         slots=args.slots,
         n_ctx=args.n_ctx,
         threads=threads,
+        extra=["--threads-http", str(args.clients + 4)],  # every client served at once
         log=folder / "llama-server.log",
     ) as proc:
         yield proc.url
@@ -290,7 +297,9 @@ def main() -> None:
             print(name, results[name], flush=True)
         if args.llama_server is not None and "llama_server" in runs:
             with llama_server(model, args, folder) as url:
-                results["llama_server"] = asyncio.run(http_load(url, args, stateful=False))
+                results["llama_server"] = asyncio.run(
+                    http_load(url, args, stateful=False, keepalive=False)
+                )
             print("llama_server", results["llama_server"], flush=True)
         if "in_process" in runs:
             os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
