@@ -483,7 +483,8 @@ def router_scale(
     model = args.model or default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(f"sqlite:///{tmp}/scale.db")
-        backends = [module.LlamaServerBackend(u, model=model) for u in urls]
+        # No summary slot: these chats never evict, and the raw setups get every slot too.
+        backends = [module.LlamaServerBackend(u, model=model, summary_slot=False) for u in urls]
         router = Router(backends, store=store, own=True)
         sessions: dict[str, Any] = {}
         lock = threading.Lock()
