@@ -368,6 +368,7 @@ def add_decode(sub: Any) -> None:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--n-ctx", type=int, default=512, help="tokens per slot")
+    p.add_argument("--cold", action="store_true", help="erase the server's slots before each run")
 
 
 SCALE_ROWS = {
@@ -706,11 +707,24 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
             Engine.load(model, n_ctx=n_ctx, slots=args.streams, n_threads=args.threads)
         )
         # One slot more than streams: chatctx keeps the last for summaries.
+        saves = Path(tmp) / "slots"
+        saves.mkdir()
         server = stack.enter_context(
             ls.llama_server(
-                args.binary, model, slots=args.streams + 1, n_ctx=n_ctx, threads=args.threads
+                args.binary,
+                model,
+                slots=args.streams + 1,
+                n_ctx=n_ctx,
+                threads=args.threads,
+                extra=["--slot-save-path", str(saves)],  # lets --cold erase the slots
             )
         )
+
+        def erase() -> None:
+            if args.cold:  # every setup prefills its prompts, as the engine does
+                for slot in range(args.streams + 1):
+                    httpx.post(f"{server.url}/slots/{slot}?action=erase", timeout=60)
+
         setups: dict[str, Callable[[list[dict[str, str]]], Callable[[], Stamp]]] = {
             "chatctx in process (Engine)": lambda m: via_session(engine, store, m),
             "llama-server /completion direct": lambda m: direct(server.url, m),
@@ -723,6 +737,7 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.repeats):
             for streams in (1, args.streams):
                 for name, make in setups.items():
+                    erase()
                     r = rates(concurrently([make(m) for m in prompts[:streams]]))
                     table.setdefault(name, {}).setdefault(str(streams), []).append(r)
                     print(
