@@ -333,18 +333,66 @@ def main() -> None:
     p.add_argument("--no-dry", action="store_true", help="skip retention on all chats")
     add_scale(sub)
     add_decode(sub)
+    r = sub.add_parser("reuse", help="what --cache-reuse reuses after a deletion vs an insertion")
+    r.add_argument("--chunk", type=int, default=16, help="--cache-reuse N")
     args = parser.parse_args()
     args.binary = ls.find_binary(args.binary)
     runners: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         "peers": peers,
         "scale": scale,
         "decode": decode,
+        "reuse": reuse,
     }
     started = time.perf_counter()
     results = runners[args.command](args)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+def reuse(args: argparse.Namespace) -> dict[str, Any]:
+    """One slot holds [system][summary][turn 1][turn 2]; the next prompt drops turn 1 and
+    (1) keeps the summary, (2) rewrites it, (3) appends to it. ``--cache-reuse`` shifts the
+    kept turn into place only in (1): its scan never skips prompt tokens, so new text in
+    front of a cached run hides the run."""
+    model = args.model or default_model_path()
+    out: dict[str, Any] = {}
+    with (
+        ls.llama_server(
+            args.binary, model, slots=1, n_ctx=1024, threads=args.threads,
+            extra=["--cache-reuse", str(args.chunk)],
+        ) as server,
+        httpx.Client(base_url=server.url, timeout=600) as http,
+    ):  # fmt: skip
+
+        def tok(text: str) -> list[int]:
+            tokens: list[int] = http.post("/tokenize", json={"content": text}).json()["tokens"]
+            return tokens
+
+        system = tok("System prompt: you are a helpful support bot. " * 3)
+        s1 = tok(" Summary: the user likes tea and lives in Oslo.")
+        s2 = tok(" Summary: the user likes coffee now, lives in Bergen and has a cat.")
+        t1 = tok(" Turn one: hello there, how are you doing today my friend? " * 3)
+        t2 = tok(" Turn two: I would like to ask about my parcel number 4471 please. " * 3)
+        new = tok(" A new question?")
+        cached = system + s1 + t1 + t2
+        cases = {
+            "turn 1 deleted, summary kept": system + s1 + t2 + new,
+            "turn 1 deleted, summary rewritten": system + s2 + t2 + new,
+            "turn 1 deleted, summary appended to": system + s1 + tok(" Has a cat.") + t2 + new,
+        }
+        print(f"\n--cache-reuse {args.chunk}; cached: system {len(system)}, summary {len(s1)}, "
+              f"turn 1 {len(t1)}, turn 2 {len(t2)} tokens\n")  # fmt: skip
+        print("| next prompt | prompt tokens | reused (cache_n) | evaluated (prompt_n) |")
+        print("|---|---|---|---|")
+        for label, prompt in cases.items():
+            body = {"cache_prompt": True, "id_slot": 0, "temperature": 0.0}
+            ls.completion(http, body | {"prompt": cached, "n_predict": 0})
+            r, _ = ls.completion(http, body | {"prompt": prompt, "n_predict": 1})
+            t = r["timings"]
+            out[label] = {"prompt": len(prompt), "cache_n": t["cache_n"], "prompt_n": t["prompt_n"]}
+            print(f"| {label} | {len(prompt)} | {t['cache_n']} | {t['prompt_n']} |")
+    return out
 
 
 # scale and decode are below main so that the peer table reads first --------------------------
