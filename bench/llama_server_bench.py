@@ -764,7 +764,9 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
                 slots=args.streams + 1,
                 n_ctx=n_ctx,
                 threads=args.threads,
-                extra=["--slot-save-path", str(saves)],  # lets --cold erase the slots
+                # --cold erases the slots, and keeps no host-RAM prompt cache to restore from
+                extra=["--slot-save-path", str(saves)]
+                + (["--cache-ram", "0"] if args.cold else []),
             )
         )
 
