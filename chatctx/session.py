@@ -54,6 +54,7 @@ from chatctx.errors import (
     ChatctxError,
     ClosedError,
     ConfigError,
+    ContextStateConflict,
     DeadlineExceeded,
     StoreError,
 )
@@ -65,6 +66,7 @@ logger = logging.getLogger("chatctx.session")
 
 LEASE_POLL_S = 0.5  # a turn waiting for a slot looks this often whether its session closed
 CLOSE_WAIT_S = 10.0  # close() waits this long for turns still being prepared
+STATE_ATTEMPTS = 3  # builds of a turn's context when another writer saves its state meanwhile
 MAX_FAILOVERS = 2  # a turn whose backend fails before its first token is retried this often
 
 
@@ -134,6 +136,7 @@ class ChatSession(Closeable):
         self.last_reply: Reply | None = None
         self.last_build: BuildResult | None = None  # the context sent on the last turn
         self._closed = False
+        self._state_version = 0  # the context state's version the last build read
         if seq_id is not None:
             engine.pin(conversation_id, seq_id)
 
@@ -377,9 +380,12 @@ class ChatSession(Closeable):
                 embedder.embed,
                 min_similarity=settings.recall_min_similarity,
                 prefetch=embedder.prefetch,
+                vectors=store,
+                fingerprint=embedder.fingerprint,
             )
-            # A resumed conversation: its history is embedded while the customer types.
-            self._meaning.warm([m.content for m in store.messages(cid)])
+            # A resumed conversation: what is not stored yet is embedded while the customer
+            # types.
+            self._meaning.warm_messages(store.messages(cid))
             return self._meaning
         return lambda query, before, limit: store.search_messages(
             cid, query, before_position=before, limit=limit, replies=True
@@ -426,6 +432,7 @@ class ChatSession(Closeable):
         parsed = ConversationSettings.parse(conversation.settings)
         generation, context = parsed.generation, parsed.context
         stored = self.store.context_state(self.conversation_id)
+        self._state_version = stored.version
         state = ContextState(
             window_start=stored.window_start,
             summary=stored.summary.content if stored.summary else None,
@@ -697,11 +704,18 @@ class ChatSession(Closeable):
         self._check_open()
         if not text.strip():
             raise ConfigError("empty message")
-        # raises ContextBudgetError before anything is stored
-        built, generation, context = self._build(text)
-        self.last_build = built
-        plan = built.plan
-        if plan.evicted or plan.summary_changed or plan.summarized_ids or built.state.pending_ids:
+        for attempt in range(1, STATE_ATTEMPTS + 1):
+            # raises ContextBudgetError before anything is stored
+            built, generation, context = self._build(text)
+            self.last_build = built
+            plan = built.plan
+            if not (
+                plan.evicted
+                or plan.summary_changed
+                or plan.summarized_ids
+                or built.state.pending_ids
+            ):
+                break
             new_summary = None
             if plan.summary_changed and built.state.summary is not None:
                 new_summary = (
@@ -710,12 +724,22 @@ class ChatSession(Closeable):
                     built.state.summary_tokens,
                     built.fingerprint,
                 )
-            self.store.save_context_state(
-                self.conversation_id,
-                window_start=built.state.window_start,
-                pending_ids=built.state.pending_ids,
-                new_summary=new_summary,
-            )
+            try:  # compare-and-set: another process saving this state meanwhile is not lost
+                self.store.save_context_state(
+                    self.conversation_id,
+                    window_start=built.state.window_start,
+                    pending_ids=built.state.pending_ids,
+                    new_summary=new_summary,
+                    expected_version=self._state_version,
+                )
+            except ContextStateConflict:
+                if attempt == STATE_ATTEMPTS:
+                    raise
+                logger.info(
+                    "context state of %s changed meanwhile: built again", self.conversation_id
+                )
+                continue
+            break
         return built, generation, context
 
     def _stream(

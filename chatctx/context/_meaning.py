@@ -15,19 +15,30 @@ other side's messages score ``reply_discount`` lower (a much closer reply still 
 
 It is a ``RecallSearch``: the builder uses it exactly as it uses the store's full-text search,
 and ``snippet`` picks the sentences worth sending when a whole message does not fit.
+
+Given a ``vectors`` store (``Store.get_embeddings`` / ``put_embeddings``) and the embedder's
+fingerprint, a message's vectors are read from the database and only messages without them
+(or whose text changed since) are embedded, and those vectors are stored: a restarted
+process, or another one, does not embed the history again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from chatctx.config import ContextSettings
 from chatctx.context._recall import sentences
+from chatctx.errors import StoreError
 from chatctx.store import Message
+
+logger = logging.getLogger("chatctx.context")
 
 # Cosine similarity below which an earlier message is not taken as an answer (the setting's
 # default). Chosen on the development probe sets (bench/README.md, "Recall by meaning").
@@ -38,6 +49,23 @@ REPLY_DISCOUNT = 0.05
 _ASKS = re.compile(r"\?\W*$")
 
 Embed = Callable[[Sequence[str]], npt.NDArray[np.float32]]
+Vectors = npt.NDArray[np.float32]
+
+
+class VectorStore(Protocol):
+    """Where messages' vectors are kept (``chatctx.store.Store`` is one)."""
+
+    def get_embeddings(
+        self, embedder: str, ids: Sequence[int]
+    ) -> dict[int, tuple[str, int, bytes]]: ...
+
+    def put_embeddings(
+        self, embedder: str, vectors: Mapping[int, tuple[str, int, bytes]]
+    ) -> None: ...
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class MeaningSearch:
@@ -59,10 +87,16 @@ class MeaningSearch:
         question_discount: float = QUESTION_DISCOUNT,
         reply_discount: float = REPLY_DISCOUNT,
         prefetch: Callable[[Sequence[str]], None] | None = None,
+        vectors: VectorStore | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         self._messages = messages
         self._embed = embed
         self._prefetch = prefetch
+        self._store = vectors if fingerprint else None
+        self._fingerprint = fingerprint or ""
+        # message id -> (text digest, its parts' vectors): read from the store or embedded.
+        self._known: dict[int, tuple[str, Vectors]] = {}
         self.min_similarity = min_similarity
         self.question_discount = question_discount
         self.reply_discount = reply_discount
@@ -73,19 +107,74 @@ class MeaningSearch:
         if self._prefetch is not None:
             self._prefetch([part for text in texts for part in _parts(text)])
 
+    def warm_messages(self, messages: Sequence[Message]) -> None:
+        """``warm`` for the messages whose vectors are not stored (all without a store)."""
+        self._load(messages)
+        self.warm([m.content for m in messages if not self._has(m)])
+
+    def _has(self, message: Message) -> bool:
+        known = self._known.get(message.id)
+        return known is not None and known[0] == text_digest(message.content)
+
+    def _load(self, messages: Sequence[Message]) -> None:
+        """Read the stored vectors of the messages not known yet."""
+        if self._store is None:
+            return
+        wanted = [m.id for m in messages if m.id not in self._known]
+        if not wanted:
+            return
+        try:
+            stored = self._store.get_embeddings(self._fingerprint, wanted)
+        except StoreError as exc:  # a cache: recall goes on, embedding what it needs
+            logger.warning("stored vectors not read: %s", exc)
+            return
+        for message_id, (digest, dim, data) in stored.items():
+            matrix = np.frombuffer(data, dtype="<f4")
+            if dim <= 0 or matrix.size % dim:
+                continue  # not written by this code: embedded again
+            self._known[message_id] = (digest, matrix.reshape(-1, dim).astype(np.float32))
+
+    def _vectors(self, messages: Sequence[Message]) -> list[Vectors]:
+        """Each message's parts' vectors: known ones as they are, the rest embedded in one
+        call (and stored)."""
+        self._load(messages)
+        parts_of = [_parts(m.content) for m in messages]
+        # A stored matrix with another number of rows was split by other code: embed again.
+        missing, parts = [], []
+        for message, message_parts in zip(messages, parts_of, strict=True):
+            if not self._has(message) or len(self._known[message.id][1]) != len(message_parts):
+                missing.append(message)
+                parts.append(message_parts)
+        if missing:
+            embedded = self._embed([p for message_parts in parts for p in message_parts])
+            new: dict[int, tuple[str, int, bytes]] = {}
+            start = 0
+            for message, message_parts in zip(missing, parts, strict=True):
+                matrix = np.ascontiguousarray(
+                    embedded[start : start + len(message_parts)], dtype=np.float32
+                )
+                start += len(message_parts)
+                digest = text_digest(message.content)
+                self._known[message.id] = (digest, matrix)
+                new[message.id] = (digest, int(matrix.shape[1]), matrix.astype("<f4").tobytes())
+            if self._store is not None:
+                try:
+                    self._store.put_embeddings(self._fingerprint, new)
+                except StoreError as exc:
+                    logger.warning("vectors of %d messages not stored: %s", len(new), exc)
+        return [self._known[m.id][1] for m in messages]
+
     def _scores(self, messages: Sequence[Message], query: str) -> npt.NDArray[np.float32]:
         """Each message's score for ``query``: the best of the message and its sentences,
         their cosine less the priors' discounts."""
-        parts: list[str] = []
         owner: list[int] = []
         discount: list[float] = []
         for i, message in enumerate(messages):
             other = self.reply_discount if message.role != "user" else 0.0
             for part in _parts(message.content):
-                parts.append(part)
                 owner.append(i)
                 discount.append(other + (self.question_discount if _ASKS.search(part) else 0.0))
-        similarity = self._embed(parts) @ self._embed([query])[0]
+        similarity = np.concatenate(self._vectors(messages)) @ self._embed([query])[0]
         similarity -= np.asarray(discount, dtype=np.float32)
         best = np.full(len(messages), -2.0, dtype=np.float32)
         np.maximum.at(best, np.asarray(owner), similarity)

@@ -29,7 +29,7 @@ from chatctx.replay._dry import DryBackend
 from chatctx.replay._input import LoggedConversation
 from chatctx.replay._store import ReplayStore
 from chatctx.session import ChatSession
-from chatctx.store import Turn
+from chatctx.store import Store, Turn
 
 Mode = Literal["teacher", "regenerate", "dry"]
 
@@ -212,9 +212,13 @@ class Replayer(Closeable):
         model: str | Path | None = None,
         engine: Backend | None = None,
         codec: Codec | None = None,
+        store: Callable[[str], Store] | None = None,
     ) -> None:
         self.config = config
         self.codec = codec
+        # Each conversation's store: ``store(conversation_id)`` (it is closed after the
+        # conversation); by default an in-memory ReplayStore.
+        self._new_store = store
         backend: Backend
         if config.mode == "dry":
             if config.summarizer == "llm":
@@ -294,7 +298,7 @@ class Replayer(Closeable):
         regenerate = self.config.mode == "regenerate"
         settings = GenerationSettings(max_tokens=self.config.max_tokens, temperature=0.0)
         with (
-            ReplayStore() as store,
+            self._new_store(cid) if self._new_store is not None else ReplayStore() as store,
             ChatSession.open(
                 store,
                 conversation_id=cid,

@@ -226,12 +226,14 @@ class ReplayStore(Store):
         window_start: int,
         pending_ids: Sequence[int] = (),
         new_summary: tuple[str, Sequence[int], int, str] | None = None,
+        expected_version: int | None = None,
     ) -> StoredContextState:
         state = super().save_context_state(
             conversation_id,
             window_start=window_start,
             pending_ids=pending_ids,
             new_summary=new_summary,
+            expected_version=expected_version,
         )
         with self._lock:
             self._states[conversation_id] = state

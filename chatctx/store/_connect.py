@@ -100,14 +100,24 @@ def _retry_busy(method: Callable[P, R]) -> Callable[P, R]:
 def create_db_engine(url: str) -> Engine:
     """An Engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout.
 
-    On SQLite, connections carrying the ``chatctx_immediate`` execution option begin their
-    transactions with ``BEGIN IMMEDIATE`` (the Store's writes and migrations do).
+    ``postgresql://`` URLs use psycopg 3 (the ``postgres`` extra), as ``postgresql+psycopg://``.
+
+        On SQLite, connections carrying the ``chatctx_immediate`` execution option begin their
+        transactions with ``BEGIN IMMEDIATE`` (the Store's writes and migrations do).
     """
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise StoreError(f"not a database URL: {url!r}") from exc
     kwargs: dict[str, Any] = {}
+    if parsed.drivername in ("postgresql", "postgres"):
+        # SQLAlchemy's default PostgreSQL driver is psycopg2; chatctx's extra installs psycopg 3.
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.drivername == "postgresql+psycopg":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError as exc:
+            raise StoreError("PostgreSQL needs psycopg: pip install 'chatctx[postgres]'") from exc
     is_sqlite = parsed.get_backend_name() == "sqlite"
     in_memory = is_sqlite and parsed.database in (None, "", ":memory:")
     if in_memory:

@@ -9,23 +9,20 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select
-from sqlalchemy.dialects import postgresql as postgresql_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from chatctx._resource import Closeable
-from chatctx.errors import ConversationNotFound, StoreError
+from chatctx.errors import ContextStateConflict, ConversationNotFound, StoreError
 from chatctx.store import _migrate
+from chatctx.store._caches import CacheMixin, insert_if_missing
 from chatctx.store._connect import _retry_busy, create_db_engine
 from chatctx.store._models import (
-    Base,
     ContextStateRow,
     ConversationRow,
     MessageRow,
-    MessageTokensRow,
     PlacementRow,
     SummaryRow,
     TurnRow,
@@ -88,28 +85,6 @@ def _turn(row: TurnRow) -> Turn:
     return Turn(**{name: getattr(row, name) for name in Turn.__dataclass_fields__})
 
 
-def _insert_if_missing(
-    session: Session, table: type[Base], values: dict[str, Any], *, key: list[str]
-) -> bool:
-    """Insert a row unless one with the same ``key`` exists; True when this call inserted it.
-
-    SQLite and PostgreSQL do it in one statement (``ON CONFLICT DO NOTHING``), so two
-    writers racing on one key cannot fail; other databases try in a savepoint.
-    """
-    dialect = session.get_bind().dialect.name
-    if dialect in ("sqlite", "postgresql"):
-        module = sqlite_dialect if dialect == "sqlite" else postgresql_dialect
-        statement = module.insert(table).values(**values).on_conflict_do_nothing(index_elements=key)
-        result = session.execute(statement)
-        return bool(getattr(result, "rowcount", 0) == 1)
-    try:
-        with session.begin_nested():
-            session.execute(insert(table).values(**values))
-    except IntegrityError:
-        return False
-    return True
-
-
 def _append(
     session: Session, conversation_id: str, messages: Sequence[Mapping[str, Any]]
 ) -> list[MessageRow]:
@@ -156,7 +131,7 @@ def _add_turn(session: Session, conversation_id: str, figures: Mapping[str, Any]
     return row
 
 
-class Store(PlacementStore, Closeable):
+class Store(PlacementStore, CacheMixin, Closeable):
     """Conversations, messages, summaries and per-turn figures in one database.
 
     Opening a store upgrades its schema to the newest migration. Use as a context manager.
@@ -229,13 +204,25 @@ class Store(PlacementStore, Closeable):
         """Create a conversation; an id is generated when none is given."""
         cid = conversation_id or uuid.uuid4().hex[:12]
         with self._session(write=True) as session:
-            if session.get(ConversationRow, cid) is not None:
-                raise StoreError(f"conversation {cid!r} already exists")
-            row = ConversationRow(
-                id=cid, title=title, system_prompt=system_prompt, settings=settings or {}
+            # One statement: two writers creating the same id get "already exists", never a
+            # duplicate-key error from the database.
+            created = insert_if_missing(
+                session,
+                ConversationRow,
+                {
+                    "id": cid,
+                    "title": title,
+                    "system_prompt": system_prompt,
+                    "settings": settings or {},
+                    "created_at": utcnow(),
+                    "updated_at": utcnow(),
+                },
+                key=["id"],
             )
-            session.add(row)
-            session.flush()
+            if not created:
+                raise StoreError(f"conversation {cid!r} already exists")
+            row = session.get(ConversationRow, cid)
+            assert row is not None  # inserted in this transaction
             return _conversation(row)
 
     @_retry_busy
@@ -254,7 +241,7 @@ class Store(PlacementStore, Closeable):
         it (an ``INSERT ... ON CONFLICT DO NOTHING``; a savepoint elsewhere), never an error.
         """
         with self._session(write=True) as session:
-            created = _insert_if_missing(
+            created = insert_if_missing(
                 session,
                 ConversationRow,
                 {
@@ -433,40 +420,6 @@ class Store(PlacementStore, Closeable):
             session.flush()
             return _message(row)
 
-    # token counts (the context builder's cache) --------------------------------------------
-
-    def get_token_counts(self, fingerprint: str, ids: Sequence[int]) -> dict[int, int]:
-        found: dict[int, int] = {}
-        with self._session() as session:
-            for start in range(0, len(ids), 500):
-                chunk = list(ids[start : start + 500])
-                rows = session.execute(
-                    select(MessageTokensRow.message_id, MessageTokensRow.tokens).where(
-                        MessageTokensRow.tokenizer == fingerprint,
-                        MessageTokensRow.message_id.in_(chunk),
-                    )
-                )
-                found.update({mid: n for mid, n in rows})
-        return found
-
-    @_retry_busy
-    def put_token_counts(self, fingerprint: str, counts: Mapping[int, int]) -> None:
-        ids = list(counts)
-        with self._session(write=True) as session:
-            for start in range(0, len(ids), 500):
-                chunk = ids[start : start + 500]
-                session.execute(
-                    delete(MessageTokensRow).where(
-                        MessageTokensRow.tokenizer == fingerprint,
-                        MessageTokensRow.message_id.in_(chunk),
-                    )
-                )
-            if ids:
-                session.execute(
-                    insert(MessageTokensRow),
-                    [{"message_id": i, "tokenizer": fingerprint, "tokens": counts[i]} for i in ids],
-                )
-
     # context state and summaries -----------------------------------------------------------
 
     def context_state(self, conversation_id: str) -> StoredContextState:
@@ -479,6 +432,7 @@ class Store(PlacementStore, Closeable):
                 window_start=row.window_start,
                 summary=_summary(summary) if summary else None,
                 pending_ids=tuple(row.pending_ids or ()),
+                version=row.version,
             )
 
     @_retry_busy
@@ -489,17 +443,40 @@ class Store(PlacementStore, Closeable):
         window_start: int,
         pending_ids: Sequence[int] = (),
         new_summary: tuple[str, Sequence[int], int, str] | None = None,
+        expected_version: int | None = None,
     ) -> StoredContextState:
         """Persist the window start and, when it changed, a new summary version.
 
         ``new_summary`` is (content, newly covered message ids, token count, tokenizer).
-        Both are written in one transaction.
+        Both are written in one transaction. Each save adds one to the state's ``version``;
+        with ``expected_version`` (the version read by ``context_state``) it is a
+        compare-and-set: when another writer saved in between, nothing is written and
+        ``ContextStateConflict`` is raised, so a read-modify-write never loses an update.
         """
         with self._session(write=True) as session:
-            row = session.get(ContextStateRow, conversation_id)
+            # Get-or-create in one statement, then the row locked until commit (SQLite: BEGIN
+            # IMMEDIATE serializes writers already), so the version check and the write are
+            # one step for every other writer.
+            insert_if_missing(
+                session,
+                ContextStateRow,
+                {
+                    "conversation_id": conversation_id,
+                    "window_start": 0,
+                    "pending_ids": [],
+                    "version": 0,
+                    "updated_at": utcnow(),
+                },
+                key=["conversation_id"],
+            )
+            row = session.get(
+                ContextStateRow, conversation_id, with_for_update=True, populate_existing=True
+            )
             if row is None:
-                row = ContextStateRow(conversation_id=conversation_id, pending_ids=[])
-                session.add(row)
+                raise ConversationNotFound(conversation_id)
+            if expected_version is not None and row.version != expected_version:
+                raise ContextStateConflict(conversation_id, expected_version, row.version)
+            row.version += 1
             row.window_start = window_start
             row.pending_ids = list(pending_ids)
             summary_row = None
@@ -522,6 +499,7 @@ class Store(PlacementStore, Closeable):
                 window_start=row.window_start,
                 summary=_summary(summary_row) if summary_row else None,
                 pending_ids=tuple(row.pending_ids),
+                version=row.version,
             )
 
     def summaries(self, conversation_id: str) -> list[Summary]:
@@ -612,8 +590,9 @@ class Store(PlacementStore, Closeable):
     ) -> list[tuple[Message, float]]:
         """The conversation's messages that best match the words of ``query``, best first.
 
-        Scores are BM25 on SQLite (FTS5, porter stemming), a term-rarity score elsewhere;
-        higher is better. Only messages before ``before_position`` and not in
+        Scores are BM25 on SQLite (FTS5, porter stemming), term rarity times ``ts_rank_cd``
+        on PostgreSQL (a ``tsvector`` column, Snowball stemming), a term-rarity score
+        elsewhere; higher is better. Only messages before ``before_position`` and not in
         ``exclude_ids`` are searched. Any text is a valid query: FTS syntax in it is quoted.
         With ``replies``, each matched user message is followed in the list by the assistant
         message right after it (when that one is searchable and not listed already), with the

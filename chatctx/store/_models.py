@@ -14,6 +14,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -198,6 +199,27 @@ class ContextStateRow(Base):
     summary_id: Mapped[int | None] = mapped_column(ForeignKey("summaries.id", ondelete="SET NULL"))
     pending_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    # One more on every save: a compare-and-set save checks it (no lost updates).
+    version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class MessageEmbeddingRow(Base):
+    """A message's sentence vectors for recall by meaning, per embedder fingerprint.
+
+    ``vectors`` is a C-order float32 matrix, ``dim`` columns wide: the whole text first, then
+    each sentence when it has several. ``text_sha256`` is the digest of the text embedded, so
+    a message whose content changed since (a finished streamed reply) is embedded again.
+    """
+
+    __tablename__ = "message_embeddings"
+
+    message_id: Mapped[int] = mapped_column(
+        ForeignKey("messages.id", ondelete="CASCADE"), primary_key=True
+    )
+    embedder: Mapped[str] = mapped_column(String(200), primary_key=True)
+    text_sha256: Mapped[str] = mapped_column(String(64))
+    dim: Mapped[int] = mapped_column(Integer)
+    vectors: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class PlacementRow(Base):

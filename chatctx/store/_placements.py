@@ -15,6 +15,7 @@ from datetime import datetime
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from chatctx.store._caches import insert_if_missing
 from chatctx.store._connect import _retry_busy
 from chatctx.store._models import PlacementRow, utcnow
 
@@ -59,10 +60,8 @@ class PlacementStore:
     def claim_placement(self, conversation_id: str, backend: str) -> Placement:
         """Place the conversation on ``backend`` unless it is placed already; the placement
         that holds (this one, or the one another process claimed first)."""
-        from chatctx.store._db import _insert_if_missing
-
         with self._session(write=True) as session:
-            _insert_if_missing(
+            insert_if_missing(
                 session,
                 PlacementRow,
                 {

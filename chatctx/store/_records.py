@@ -119,3 +119,4 @@ class StoredContextState:
     window_start: int = 0
     summary: Summary | None = None
     pending_ids: tuple[int, ...] = ()
+    version: int = 0  # saves so far: what ``save_context_state(expected_version=...)`` checks

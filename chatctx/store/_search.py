@@ -1,8 +1,11 @@
 """Full-text search over stored messages: what recall asks the store for.
 
 SQLite: an FTS5 index (``messages_fts``, porter stemming, BM25 ranking) kept in step with
-``messages`` by the triggers migration 0005 installs. Other databases (until PostgreSQL's own
-full-text search is wired in): a portable ``LIKE`` query scored here by the matched terms.
+``messages`` by the triggers migration 0005 installs. PostgreSQL: the generated ``tsvector``
+column ``messages.content_tsv`` (the ``english`` configuration: Snowball stemming, as porter)
+with a GIN index, from migration 0007; a match is any term, ranked by a BM25-like sum of each
+matched term's rarity in the conversation times its ``ts_rank_cd``. Other databases: a
+portable ``LIKE`` query scored here by the matched terms.
 
 User text is never passed to ``MATCH`` as is: it is cut into word terms, stopwords go, and each
 term is quoted, so FTS syntax or punctuation in a message can never raise.
@@ -22,6 +25,10 @@ from sqlalchemy.sql.selectable import TextualSelect
 from chatctx.store._models import MessageRow
 
 FTS_TABLE = "messages_fts"
+TSV_COLUMN = "content_tsv"  # PostgreSQL (migration 0007)
+TSV_INDEX = "ix_messages_content_tsv"
+TS_CONFIG = "english"
+NO_LIMIT = 2**31 - 1  # positions are 32-bit integers
 MAX_TERMS = 32
 FALLBACK_ROWS = 5000  # the portable search scores at most this many recent candidates
 
@@ -87,6 +94,27 @@ def has_fts(connection: Connection) -> bool:
     return found is not None
 
 
+def has_tsvector(connection: Connection) -> bool:
+    """Whether this database has the ``tsvector`` column (PostgreSQL at 0007 or later)."""
+    if connection.dialect.name != "postgresql":
+        return False
+    found = connection.execute(
+        text(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
+            "AND table_name = 'messages' AND column_name = :name"
+        ),
+        {"name": TSV_COLUMN},
+    ).first()
+    return found is not None
+
+
+def ts_term(term: str) -> str:
+    """A ``to_tsquery`` text for one term (and its prefix form): only word characters reach
+    it (``query_terms``), so it holds no tsquery operators but these."""
+    prefix = stem_prefix(term)
+    return term if prefix is None else f"{term} | {prefix}:*"
+
+
 class Match(NamedTuple):
     """A matched message row, its score (higher is better), and the reply row after it."""
 
@@ -143,9 +171,11 @@ def search(
     if not terms or limit <= 0:
         return []
     excluded = set(exclude_ids)
-    before = before_position if before_position is not None else 2**62
+    before = before_position if before_position is not None else NO_LIMIT
     if has_fts(connection):
         found = _fts(connection, conversation_id, terms, before, limit + len(excluded), replies)
+    elif has_tsvector(connection):
+        found = _tsv(connection, conversation_id, terms, before, limit + len(excluded), replies)
     else:
         found = _portable(connection, conversation_id, terms, before, replies)
     out: list[Match] = []
@@ -177,6 +207,71 @@ def _fts(
         reply = None
         if replies and row.reply_id is not None:
             # The reply's columns under their own names, as a message row has them.
+            reply = SimpleNamespace(**{n: getattr(row, f"reply_{n}") for n in names})
+        out.append(Match(row, float(row.score), reply))
+    return out
+
+
+def _tsv_statement(n_terms: int, replies: bool) -> TextualSelect:
+    # Per term: its tsquery, how many of the searched messages match it (df), and its BM25
+    # rarity ln(1 + (n - df + 0.5) / (df + 0.5)); a message scores the sum, over the terms it
+    # matches, of rarity times ts_rank_cd (occurrences, normalized by the message's length).
+    names = [c.name for c in MessageRow.__table__.c]
+    typed = [column(c.name, c.type) for c in MessageRow.__table__.c]
+    select_ = ", ".join(f"m.{n}" for n in names)
+    join = ""
+    if replies:
+        select_ += ", " + ", ".join(f"r.{n} AS reply_{n}" for n in names)
+        typed += [column(f"reply_{c.name}", c.type) for c in MessageRow.__table__.c]
+        join = (
+            " LEFT JOIN messages AS r ON m.role = 'user' "
+            "AND r.conversation_id = m.conversation_id AND r.position = m.position + 1 "
+            "AND r.role = 'assistant' AND r.position < :before"
+        )
+    terms = range(n_terms)
+    queries = ", ".join(f"to_tsquery('{TS_CONFIG}', :t{i}) AS q{i}" for i in terms)
+    counts = ", ".join(f"count(*) FILTER (WHERE s.{TSV_COLUMN} @@ q.q{i}) AS d{i}" for i in terms)
+    score = " + ".join(
+        f"ln(1 + (st.n - st.d{i} + 0.5)::float8 / (st.d{i} + 0.5)) "
+        f"* ts_rank_cd(m.{TSV_COLUMN}, q.q{i}, 1)"
+        for i in terms
+    )
+    any_term = " || ".join(f"q.q{i}" for i in terms)
+    sql = (
+        f"WITH q AS (SELECT {queries}), "
+        f"st AS (SELECT count(*) AS n, {counts} FROM messages AS s, q "
+        "WHERE s.conversation_id = :cid AND s.position < :before) "
+        f"SELECT {select_}, ({score}) AS score FROM q, st, messages AS m{join} "
+        f"WHERE m.conversation_id = :cid AND m.position < :before "
+        f"AND m.{TSV_COLUMN} @@ ({any_term}) "
+        "ORDER BY score DESC, m.position DESC LIMIT :limit"
+    )
+    return text(sql).columns(*typed, column("score", Float()))
+
+
+_TSV_STATEMENTS: dict[tuple[int, bool], TextualSelect] = {}
+
+
+def _tsv(
+    connection: Connection,
+    conversation_id: str,
+    terms: Sequence[str],
+    before: int,
+    limit: int,
+    replies: bool,
+) -> list[Match]:
+    key = (len(terms), replies)
+    statement = _TSV_STATEMENTS.get(key)
+    if statement is None:
+        statement = _TSV_STATEMENTS[key] = _tsv_statement(*key)
+    params: dict[str, Any] = {f"t{i}": ts_term(term) for i, term in enumerate(terms)}
+    params.update(cid=conversation_id, before=before, limit=limit)
+    rows = connection.execute(statement, params)
+    names = [c.name for c in MessageRow.__table__.c]
+    out: list[Match] = []
+    for row in rows:
+        reply = None
+        if replies and row.reply_id is not None:
             reply = SimpleNamespace(**{n: getattr(row, f"reply_{n}") for n in names})
         out.append(Match(row, float(row.score), reply))
     return out
@@ -234,6 +329,13 @@ def _portable(
 
 
 def include_name(name: str | None, type_: str, parent_names: object) -> bool:
-    """Alembic ``include_name`` filter: the FTS table and its shadow tables are not ORM
-    tables (migration 0005 owns them), so autogenerate must not propose dropping them."""
-    return not (type_ == "table" and name is not None and name.startswith(FTS_TABLE))
+    """Alembic ``include_name`` filter: the FTS table and its shadow tables (migration 0005)
+    and PostgreSQL's ``tsvector`` column and its index (0007) are not in the ORM, so
+    autogenerate must not propose dropping them."""
+    if name is None:
+        return True
+    if type_ == "table" and name.startswith(FTS_TABLE):
+        return False
+    return not (
+        (type_ == "column" and name == TSV_COLUMN) or (type_ == "index" and name == TSV_INDEX)
+    )

@@ -1,7 +1,7 @@
 """router placements: which backend holds each conversation; the backend of each turn
 
 Revision ID: 0009
-Revises: 0006
+Revises: 0008
 Create Date: 2026-12-02
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
-down_revision = "0006"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

@@ -186,3 +186,52 @@ def test_inspect_shows_plan_and_evictions(db_url: str, engine: Engine) -> None:
     assert "current plan" in text.output and "evictions" in text.output
     missing = CliRunner().invoke(cli, ["inspect", "nope", "--db", db_url])
     assert missing.exit_code == 1 and "no conversation" in missing.output
+
+
+def test_a_state_another_writer_saved_meanwhile_is_built_on_not_lost(
+    db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process saves this conversation's context state (a new summary) between this
+    # session's read of it and its own save: the compare-and-set save refuses, the context
+    # is built again on top of the other writer's state, and nothing it wrote is lost.
+    fact = "Customer said: my spare order is NH-9999."
+    with (
+        ChatSession.open(
+            db_url,
+            conversation_id="c",
+            model=engine,
+            system_prompt="Support.",
+            settings=SMALL,
+            context={"budget": 300},
+        ) as chat,
+        Store(db_url) as other,
+    ):
+        turn = 0
+        while not chat.plan(f"Order NH-{5000 + turn}: case {turn}.").plan.evicted:
+            chat_many(chat, 1, start=turn)
+            turn += 1
+            assert turn < 40, "the chat never reached an eviction"
+        read = chat.store.context_state
+        raced: list[int] = []
+
+        def racing(conversation_id: str):  # type: ignore[no-untyped-def]
+            state = read(conversation_id)
+            if not raced:  # the other writer adds a fact to the summary
+                raced.append(state.version)
+                summary = f"{state.summary.content} {fact}" if state.summary else fact
+                count = engine.codec().count(summary)
+                assert chat.last_build is not None
+                other.save_context_state(
+                    conversation_id,
+                    window_start=state.window_start,
+                    pending_ids=state.pending_ids,
+                    new_summary=(summary, [], count, chat.last_build.fingerprint),
+                )
+            return state
+
+        monkeypatch.setattr(chat.store, "context_state", racing)
+        reply = chat.send(f"Order NH-{5000 + turn}: case {turn}.")
+        assert reply.plan.evicted and raced
+        state = other.context_state("c")
+        assert state.version == raced[0] + 2  # the other writer's save and this one
+        assert state.summary is not None and "NH-9999" in state.summary.content

@@ -1,5 +1,6 @@
 """Full-text recall search: ranking, stemming, hostile queries, and an index that stays right
-across migrations, streamed-reply updates, imports and deletes."""
+across migrations, streamed-reply updates, imports and deletes; on SQLite (FTS5) and
+PostgreSQL (a generated ``tsvector`` column)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from alembic.runtime.migration import MigrationContext
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from chatctx.store import Store, create_db_engine, import_records, read_jsonl, upgrade
 from chatctx.store._migrate import _config
 from chatctx.store._models import Base
 from chatctx.store._search import fts_query, include_name, query_terms
+from chatctx.testing import create_database, drop_database
 
 CHAT = [
     ("user", "Hi, my wifi keeps dropping in the evening."),
@@ -40,21 +43,54 @@ def fill(store: Store, cid: str = "c", chat: list[tuple[str, str]] = CHAT) -> li
 
 
 def fts_rowids(store: Store, word: str) -> list[int]:
-    """What the FTS index itself returns (not joined to messages: stale entries show)."""
+    """What the full-text index itself returns (SQLite: not joined to messages, so stale
+    entries show; PostgreSQL: the stored tsvector column, as the GIN index has it)."""
     with store.engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT rowid FROM messages_fts WHERE messages_fts MATCH :q ORDER BY rowid"),
-            {"q": f'"{word}"'},
-        )
+        if conn.dialect.name == "postgresql":
+            rows = conn.execute(
+                text(
+                    "SELECT id FROM messages WHERE content_tsv @@ to_tsquery('english', :q) "
+                    "ORDER BY id"
+                ),
+                {"q": word},
+            )
+        else:
+            rows = conn.execute(
+                text("SELECT rowid FROM messages_fts WHERE messages_fts MATCH :q ORDER BY rowid"),
+                {"q": f'"{word}"'},
+            )
         return [r[0] for r in rows]
 
 
 def integrity_ok(store: Store) -> None:
     with store.engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            stale = conn.execute(
+                text(
+                    "SELECT count(*) FROM messages "
+                    "WHERE content_tsv IS DISTINCT FROM to_tsvector('english', content)"
+                )
+            ).scalar()
+            assert stale == 0
+            return
         # Raises "database disk image is malformed" when the index and the table disagree.
         conn.execute(
             text("INSERT INTO messages_fts(messages_fts, rank) VALUES ('integrity-check', 1)")
         )
+
+
+def index_names(store: Store) -> set[str]:
+    """The full-text index's tables (SQLite) or column and index (PostgreSQL)."""
+    with store.engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            sql = (
+                "SELECT column_name FROM information_schema.columns WHERE table_name = "
+                "'messages' AND column_name = 'content_tsv' UNION SELECT indexname FROM "
+                "pg_indexes WHERE indexname = 'ix_messages_content_tsv'"
+            )
+        else:
+            sql = "SELECT name FROM sqlite_master WHERE name LIKE 'messages_fts%'"
+        return {r[0] for r in conn.execute(text(sql))}
 
 
 def test_rare_shared_word_ranks_first(db_url: str) -> None:
@@ -134,12 +170,30 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
         yield store
 
 
+@pytest.fixture(scope="module")
+def shared_pg_store(pg_server: str) -> Iterator[Store]:
+    url = create_database(pg_server)
+    with Store(url) as store:
+        fill(store)
+        yield store
+    drop_database(pg_server, str(make_url(url).database))
+
+
 @settings(max_examples=300, deadline=None)
 @given(query=st.text(max_size=80))
 def test_any_text_is_a_valid_query(shared_store: Store, query: str) -> None:
     found = shared_store.search_messages("c", query, limit=5)
     assert all(message.conversation_id == "c" for message, _ in found)
     if not query_terms(query):  # nothing searchable: nothing found, and no error
+        assert found == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(query=st.text(max_size=80))
+def test_any_text_is_a_valid_query_on_postgresql(shared_pg_store: Store, query: str) -> None:
+    found = shared_pg_store.search_messages("c", query, limit=5, replies=True)
+    assert all(message.conversation_id == "c" for message, _ in found)
+    if not query_terms(query):
         assert found == []
 
 
@@ -164,12 +218,12 @@ def test_upgrade_from_0003_indexes_existing_messages(db_url: str) -> None:
             conn.execute(
                 text(
                     "INSERT INTO messages (conversation_id, position, role, content, status, "
-                    "pinned, created_at) VALUES ('old', :p, :r, :c, 'complete', 0, :now)"
+                    "pinned, created_at) VALUES ('old', :p, :r, :c, 'complete', :f, :now)"
                 ),
-                {"p": position, "r": role, "c": content, "now": now},
+                {"p": position, "r": role, "c": content, "now": now, "f": False},
             )
     engine.dispose()
-    with Store(db_url) as store:  # opening upgrades to head: 0004, then 0005's backfill
+    with Store(db_url) as store:  # opening upgrades to head: 0005's backfill, 0007's column
         found = store.search_messages("old", "shellfish allergy", limit=1)
         assert [m.content for m, _ in found] == [CHAT[2][1]]
         # Messages written after the upgrade are indexed by the triggers.
@@ -184,16 +238,10 @@ def test_downgrade_drops_index_and_search_falls_back(db_url: str) -> None:
     with Store(db_url) as store:
         ids = fill(store)
         fts_top = [m.id for m, _ in store.search_messages("c", "shellfish party", limit=1)]
+        assert index_names(store)
         with store.engine.begin() as conn:
             command.downgrade(_config(conn), "0004")
-        with store.engine.connect() as conn:
-            names = {
-                r[0]
-                for r in conn.execute(
-                    text("SELECT name FROM sqlite_master WHERE name LIKE 'messages_fts%'")
-                )
-            }
-        assert names == set()
+        assert index_names(store) == set()
         # The portable query (LIKE over the terms) still finds the same best message.
         portable = store.search_messages("c", "shellfish party", limit=3, replies=True)
         assert [m.id for m, _ in portable][:1] == fts_top == [ids[2]]
@@ -248,7 +296,41 @@ def test_orm_metadata_matches_apart_from_the_fts_tables(db_url: str) -> None:
         context = MigrationContext.configure(conn, opts={"include_name": include_name})
         assert compare_metadata(context, Base.metadata) == []
         unfiltered = compare_metadata(MigrationContext.configure(conn), Base.metadata)
-    # Without the filter, only the FTS table and its shadow tables differ.
-    assert unfiltered and all(
-        d[0] == "remove_table" and d[1].name.startswith("messages_fts") for d in unfiltered
-    )
+    # Without the filter, only the FTS table and its shadow tables differ (SQLite), or the
+    # tsvector column and its index (PostgreSQL).
+    assert unfiltered
+    for diff in unfiltered:
+        if diff[0] == "remove_table":
+            assert diff[1].name.startswith("messages_fts")
+        elif diff[0] == "remove_index":
+            assert diff[1].name == "ix_messages_content_tsv"
+        else:
+            assert diff[0] == "remove_column" and diff[3].name == "content_tsv", diff
+
+
+def test_searches_of_a_conversation_of_21_messages(db_url: str) -> None:
+    # PostgreSQL used to fail here with "integer out of range" (an unbounded search bound
+    # 2**62 against the 32-bit position column).
+    chat = [
+        ("user" if i % 2 == 0 else "assistant", f"note {i}: locker {1000 + i}") for i in range(21)
+    ]
+    chat[7] = ("assistant", "the spare key is under the blue flowerpot")
+    with Store(db_url) as store:
+        ids = fill(store, chat=chat)
+        for _ in range(12):  # past psycopg's prepare threshold too
+            found = store.search_messages("c", "where is the spare key?", limit=2)
+            assert [m.id for m, _ in found][:1] == [ids[7]]
+        everything = store.search_messages("c", "note locker", limit=30)
+        assert {m.id for m, _ in everything} == set(ids) - {ids[7]}
+        integrity_ok(store)
+
+
+def test_a_rare_word_outranks_two_common_ones(db_url: str) -> None:
+    chat = [("user", "the printer and the scanner are fine today") for _ in range(6)]
+    chat.append(("user", "my passport expires in march"))
+    with Store(db_url) as store:
+        ids = fill(store, chat=chat)
+        found = store.search_messages("c", "printer scanner passport", limit=7)
+    # "passport" is in 1 of 7 messages, "printer" and "scanner" in 6: rarity wins.
+    assert found[0][0].id == ids[6]
+    assert len(found) == 7

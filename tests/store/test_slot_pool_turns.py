@@ -7,7 +7,7 @@ from alembic import command
 from sqlalchemy import inspect, text
 
 from chatctx.errors import StoreError
-from chatctx.store import Store, create_db_engine, current_revision, head_revision, upgrade
+from chatctx.store import Store, create_db_engine, current_revision, upgrade
 from chatctx.store._migrate import _config
 
 TURN = {
@@ -39,7 +39,7 @@ def test_upgrade_from_0005_keeps_rows_and_adds_nullable_columns(db_url: str) -> 
             text(
                 "INSERT INTO messages (conversation_id, position, role, content, status, "
                 "pinned, created_at) VALUES ('old', 0, 'user', 'my parking permit expired', "
-                "'complete', 0, '2026-11-30 10:00:00')"
+                "'complete', false, '2026-11-30 10:00:00')"
             )
         )
         conn.execute(
@@ -51,8 +51,8 @@ def test_upgrade_from_0005_keeps_rows_and_adds_nullable_columns(db_url: str) -> 
             )
         )
     assert not set(POOL_COLUMNS) & {c["name"] for c in inspect(engine).get_columns("turns")}
-    upgrade(engine)
-    assert current_revision(engine) == head_revision()
+    upgrade(engine, "0006")
+    assert current_revision(engine) == "0006"
     columns = {c["name"]: c for c in inspect(engine).get_columns("turns")}
     assert all(columns[name]["nullable"] for name in POOL_COLUMNS)
     engine.dispose()
