@@ -2,7 +2,8 @@
 
     python bench/llama_server_bench.py peers  [--chats 2] [--budgets 512,1024] [--rows a,b,c,d,e]
     python bench/llama_server_bench.py scale  [--convs 32] [--turns 6] [--setups ...]
-    python bench/llama_server_bench.py decode [--tokens 64] [--streams 8]
+    python bench/llama_server_bench.py decode [--tokens 64] [--streams 8] [--cold]
+    python bench/llama_server_bench.py reuse  [--chunk 16]
 
 ``peers``: real long chats with planted facts (``bench/facts``), teacher-forced (each turn
 prefills and samples one token), per budget:
@@ -10,7 +11,7 @@ prefills and samples one token), per budget:
       message) -> llama-server as it ships (``cache_prompt`` true, ``id_slot`` -1);
   (b) the same -> llama-server ``--cache-reuse 64``;
   (c) chatctx in process (``Engine``);  (d) chatctx -> llama-server (``LlamaServerBackend``);
-  (e) chatctx -> llama-server ``--cache-reuse 64``.
+  (e) chatctx -> llama-server ``--cache-reuse 64``;  c0, d0, e0: (c)-(e) with recall off.
 Prefill amplification = evaluated / new tokens (new: what the full conversation adds each
 turn, counted once for every row), hit ratio = reused / prompt tokens, TTFT p50 of the last
 10 turns / the first 10 (pooled over chats), fact retention = probes whose answer is in the
@@ -27,6 +28,9 @@ chatctx's ``Router`` and raw-HTTP routing (rendezvous, round-robin, random, one 
 ``decode``: tokens/s of one stream and of ``--streams`` concurrent ones, greedy, the same
 token prompts: chatctx in process (``Engine``, slots), chatctx -> llama-server, and
 llama-server ``/completion`` directly (the same server as chatctx's).
+
+``reuse``: what ``--cache-reuse`` gives back when turns are deleted and the text in front
+of the kept ones is kept, rewritten or appended to.
 """
 
 from __future__ import annotations
