@@ -6,12 +6,18 @@ streamed, ``--max-tokens`` per reply):
 1. ``serve``: through ``chatctx serve`` (a subprocess), stateful, sending only the new message;
 2. ``in-process``: the same turns through ``ChatSession.astream`` on one shared ``Engine``;
 3. ``stateless``: through ``chatctx serve`` without ``conversation``, each client resending
-   its whole history (what a client of llama-server's own /v1/chat/completions does).
+   its whole history (what a client of llama-server's own /v1/chat/completions does);
+4. ``llama_server`` (with ``--llama-server BIN``): the same turns against llama-server's own
+   ``/v1/chat/completions`` (``-np`` slots, ``-c`` slots x n_ctx, ``cache_prompt`` as it
+   ships), each client resending its whole history; evaluated tokens are the server's
+   ``timings.prompt_n``.
 
 Reported: throughput (turns/s), TTFT p50/p95 and their ratios serve / in-process (the HTTP
-overhead), and prompt tokens evaluated per turn, stateless / stateful.
+overhead), and prompt tokens evaluated per turn, stateless / stateful and llama-server /
+stateful (chatctx's figure from the final chunk's ``chatctx`` object).
 
     python bench/serve_bench.py [--model GGUF] [--clients 32] [--turns 10] [--json out.json]
+        [--llama-server BIN] [--runs serve,stateless,in_process,llama_server]
 
 Without ``--model`` the tiny random Llama 3 (``chatctx.testing``) is written once to
 ``$CHATCTX_HOME/bench/tiny-llama3.gguf``.
@@ -83,14 +89,22 @@ async def sse_turn(
                 first = (time.perf_counter() - started) * 1000
             parts.append(chunk["choices"][0]["delta"].get("content") or "")
             extension = chunk.get("chatctx") or extension
+            if "timings" in chunk:  # llama-server's own figures, on its last chunk
+                extension = {**extension, "evaluated_tokens": chunk["timings"]["prompt_n"]}
     assert first is not None
     return first, "".join(parts), extension
 
 
-async def http_load(url: str, args: argparse.Namespace, *, stateful: bool) -> dict[str, Any]:
+async def http_load(
+    url: str, args: argparse.Namespace, *, stateful: bool, keepalive: bool = True
+) -> dict[str, Any]:
     ttfts: list[float] = []
     evaluated: list[int] = []
-    limits = httpx.Limits(max_connections=args.clients + 4)
+    # llama-server closes a kept-alive connection after a few idle seconds, which a loaded
+    # machine reaches between two turns: its clients open a connection per turn.
+    limits = httpx.Limits(
+        max_connections=args.clients + 4, max_keepalive_connections=None if keepalive else 0
+    )
 
     async def customer(n: int) -> None:
         history: list[dict[str, str]] = []
@@ -204,6 +218,50 @@ def tiny_model() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def llama_server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
+    """llama-server itself: ``--slots`` slots of ``--n-ctx`` tokens, cache_prompt as it ships."""
+    from _llama_server import llama_server as start
+
+    threads = args.threads or os.cpu_count() or 1
+    with start(
+        str(args.llama_server),
+        model,
+        slots=args.slots,
+        n_ctx=args.n_ctx,
+        threads=threads,
+        extra=["--threads-http", str(args.clients + 4)],  # every client served at once
+        log=folder / "llama-server.log",
+    ) as proc:
+        yield proc.url
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float]:
+    """The ratios the runs that ran allow."""
+    out: dict[str, float] = {}
+    serve, local = results.get("serve"), results.get("in_process")
+    if serve and local:
+        out["throughput_serve_vs_in_process"] = round(
+            serve["turns_per_s"] / local["turns_per_s"], 3
+        )
+        out["ttft_p50_serve_vs_in_process"] = round(serve["ttft_p50_ms"] / local["ttft_p50_ms"], 3)
+        out["ttft_p95_serve_vs_in_process"] = round(serve["ttft_p95_ms"] / local["ttft_p95_ms"], 3)
+    for other in ("stateless", "llama_server"):
+        if serve and results.get(other):
+            out[f"evaluated_per_turn_{other}_vs_stateful"] = round(
+                results[other]["evaluated_per_turn"] / serve["evaluated_per_turn"], 2
+            )
+    if serve and results.get("llama_server"):
+        server = results["llama_server"]
+        out["ttft_p50_serve_vs_llama_server"] = round(
+            serve["ttft_p50_ms"] / server["ttft_p50_ms"], 3
+        )
+        out["throughput_serve_vs_llama_server"] = round(
+            serve["turns_per_s"] / server["turns_per_s"], 3
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="GGUF (default: tiny Llama 3)")
@@ -213,30 +271,41 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--llama-server", type=Path, default=None, help="llama-server binary: add its run"
+    )
+    parser.add_argument(
+        "--runs", default="serve,stateless,in_process,llama_server", help="which runs"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="llama-server -t")
     args = parser.parse_args()
+    runs = set(args.runs.split(","))
     model = args.model or tiny_model()
     results: dict[str, Any] = {"model": model.name, **{k: v for k, v in vars(args).items()}}
     results["model"] = model.name
+    results["llama_server_binary"] = str(args.llama_server) if args.llama_server else None
+    results["llama_server"] = None
     results.pop("json")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in ("serve", "stateless"):
+            if name not in runs:
+                continue
             (folder / name).mkdir()
             with server(model, args, folder / name) as url:
                 results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
             print(name, results[name], flush=True)
-        os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
-        results["in_process"] = asyncio.run(in_process(model, args, folder))
-        print("in_process", results["in_process"], flush=True)
-    serve, local, stateless = results["serve"], results["in_process"], results["stateless"]
-    results["ratios"] = {
-        "throughput_serve_vs_in_process": round(serve["turns_per_s"] / local["turns_per_s"], 3),
-        "ttft_p50_serve_vs_in_process": round(serve["ttft_p50_ms"] / local["ttft_p50_ms"], 3),
-        "ttft_p95_serve_vs_in_process": round(serve["ttft_p95_ms"] / local["ttft_p95_ms"], 3),
-        "evaluated_per_turn_stateless_vs_stateful": round(
-            stateless["evaluated_per_turn"] / serve["evaluated_per_turn"], 2
-        ),
-    }
+        if args.llama_server is not None and "llama_server" in runs:
+            with llama_server(model, args, folder) as url:
+                results["llama_server"] = asyncio.run(
+                    http_load(url, args, stateful=False, keepalive=False)
+                )
+            print("llama_server", results["llama_server"], flush=True)
+        if "in_process" in runs:
+            os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
+            results["in_process"] = asyncio.run(in_process(model, args, folder))
+            print("in_process", results["in_process"], flush=True)
+    results["ratios"] = ratios(results)
     print(json.dumps(results["ratios"], indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
