@@ -187,3 +187,63 @@ def test_kill_9_of_a_server_while_8_replies_stream(
     finally:
         for server in servers:
             server.stop()
+
+
+def test_drain_moves_conversations_with_their_cache_through_a_shared_slot_save_path(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    # Two servers sharing one --slot-save-path: draining one saves each conversation's slot
+    # there and restores it on the other, whose own counter (timings.cache_n) shows the next
+    # turn reusing it instead of prefilling.
+    shared = tmp_path / "slots"
+    servers = [
+        LlamaServerProcess(
+            smollm2_path,
+            slots=4,
+            n_ctx=1024,
+            slot_save_path=shared,
+            threads=1,
+            extra_args=("--cache-ram", "0"),
+            binary=llama_server_binary,
+            log_path=tmp_path / f"{name}.log",
+        ).start()
+        for name in ("a", "b")
+    ]
+    url = f"sqlite:///{tmp_path / 'bot.db'}"
+    try:
+        backends = [
+            LlamaServerBackend(s.url, model=smollm2_path, slot_save_path=shared) for s in servers
+        ]
+        with (
+            Store(url) as store,
+            Router(backends, store=store, own=True, health_interval=None) as router,
+        ):
+            ids = [f"d{i}" for i in range(4)]
+            for cid in ids:
+                with ChatSession.open(
+                    store, conversation_id=cid, model=router, settings=SHORT
+                ) as chat:
+                    chat.send("my order number is 4471 and it has not arrived yet")
+            source = Counter(router.placement(c) for c in ids).most_common(1)[0][0]
+            assert source is not None
+            moving = [c for c in ids if router.placement(c) == source]
+            target = next(s.url for s in servers if s.url != source)
+            before = metrics(target)["prompt_tokens_total"]
+            moved = router.drain(source)
+            assert moved == {"moved": len(moving), "with_state": len(moving)}
+            for cid in moving:
+                first = store.turns(cid)[0]
+                with ChatSession.open(
+                    store, conversation_id=cid, model=router, settings=SHORT
+                ) as chat:
+                    chat.send("what was my order number?")
+                last = store.turns(cid)[-1]
+                assert last.backend == target
+                # The restored slot held the first turn's prompt: the server reused it.
+                assert last.reused_tokens >= first.prompt_tokens - 1
+                assert last.reprefill_reason is None
+            evaluated = metrics(target)["prompt_tokens_total"] - before
+            assert evaluated == sum(store.turns(c)[-1].evaluated_tokens for c in moving)
+    finally:
+        for server in servers:
+            server.stop()
