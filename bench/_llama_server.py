@@ -7,7 +7,6 @@ llama-server does without chatctx) depend on nothing but httpx and the binary.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import socket
@@ -20,7 +19,14 @@ from typing import Any
 
 import httpx
 
-from chatctx.engine._codec import PromptCodec
+# Re-exported for the benchmarks: the project's own rounding and rendezvous score, and
+# kv_bench's naive trimming, so every baseline uses exactly what it is compared with.
+from kv_bench import trim_last as trim_last
+
+from chatctx.engine._memory import pad256 as pad256
+from chatctx.router import _score
+
+score = _score
 
 DEFAULT_BINARY = Path.home() / ".cache/chatctx/llama-server/0442baf7f942c15c/bin/llama-server"
 
@@ -34,10 +40,6 @@ def find_binary(given: str | None) -> str:
     if found is None:
         raise SystemExit("no llama-server: pass --server BIN or set CHATCTX_LLAMA_SERVER")
     return found
-
-
-def pad256(n: int) -> int:
-    return -(-n // 256) * 256
 
 
 def free_port() -> int:
@@ -123,31 +125,3 @@ def metric(url: str, name: str) -> float:
 
 def prompt_tokens_total(urls: Sequence[str]) -> int:
     return int(sum(metric(u, "llamacpp:prompt_tokens_total") for u in urls))
-
-
-def score(conversation: str, backend: str) -> int:
-    """The router's rendezvous score (``chatctx.router._score``), copied for raw HTTP."""
-    digest = hashlib.blake2b(f"{backend}\x00{conversation}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def trim_last(
-    codec: PromptCodec, messages: list[dict[str, Any]], budget: int
-) -> list[dict[str, Any]]:
-    """System (if any) + the most recent messages whose prompt fits, starting on a user.
-
-    ``kv_bench.trim_last`` for conversations with or without a system message.
-    """
-    has_system = bool(messages) and messages[0]["role"] == "system"
-    system, rest = messages[: int(has_system)], messages[int(has_system) :]
-    lo, hi = 0, len(rest) - 1  # binary search on the first kept message
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(codec.prompt_tokens(system + rest[mid:])) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    start = lo
-    while start < len(rest) - 1 and rest[start]["role"] != "user":
-        start += 1
-    return system + rest[start:]

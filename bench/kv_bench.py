@@ -47,8 +47,10 @@ def new_tokens_per_turn(codec: PromptCodec, messages: list[dict[str, Any]]) -> l
 
 
 def trim_last(codec: PromptCodec, messages: list[dict[str, Any]], budget: int) -> list[dict]:
-    """System + the most recent messages whose rendered prompt fits, starting on a user."""
-    system, rest = messages[:1], messages[1:]
+    """System (if any) + the most recent messages whose rendered prompt fits, starting on a
+    user message."""
+    has_system = bool(messages) and messages[0]["role"] == "system"
+    system, rest = messages[: int(has_system)], messages[int(has_system) :]
     lo, hi = 0, len(rest) - 1  # binary search on the first kept message
     while lo < hi:
         mid = (lo + hi) // 2
