@@ -123,9 +123,9 @@ class Match(NamedTuple):
     reply: Any | None
 
 
-def _statement(replies: bool) -> TextualSelect:
-    # Built once: composing the query with SQLAlchemy's expression API each turn cost more
-    # than running it. Typed columns keep the result processing (UTC datetimes, JSON).
+def _message_columns(replies: bool) -> tuple[str, list[Any], str]:
+    """The message columns to select (``m.``), their typed columns, and, with ``replies``,
+    the reply that follows each user message (``r.``, as ``reply_<name>``) and its join."""
     names = [c.name for c in MessageRow.__table__.c]
     typed = [column(c.name, c.type) for c in MessageRow.__table__.c]
     select_ = ", ".join(f"m.{n}" for n in names)
@@ -138,6 +138,13 @@ def _statement(replies: bool) -> TextualSelect:
             "AND r.conversation_id = m.conversation_id AND r.position = m.position + 1 "
             "AND r.role = 'assistant' AND r.position < :before"
         )
+    return select_, typed, join
+
+
+def _statement(replies: bool) -> TextualSelect:
+    # Built once: composing the query with SQLAlchemy's expression API each turn cost more
+    # than running it. Typed columns keep the result processing (UTC datetimes, JSON).
+    select_, typed, join = _message_columns(replies)
     select_ += ", -bm25(messages_fts) AS score"  # last, as in ``typed``
     sql = (
         f"SELECT {select_} FROM messages_fts JOIN messages AS m ON m.id = messages_fts.rowid"
@@ -216,18 +223,7 @@ def _tsv_statement(n_terms: int, replies: bool) -> TextualSelect:
     # Per term: its tsquery, how many of the searched messages match it (df), and its BM25
     # rarity ln(1 + (n - df + 0.5) / (df + 0.5)); a message scores the sum, over the terms it
     # matches, of rarity times ts_rank_cd (occurrences, normalized by the message's length).
-    names = [c.name for c in MessageRow.__table__.c]
-    typed = [column(c.name, c.type) for c in MessageRow.__table__.c]
-    select_ = ", ".join(f"m.{n}" for n in names)
-    join = ""
-    if replies:
-        select_ += ", " + ", ".join(f"r.{n} AS reply_{n}" for n in names)
-        typed += [column(f"reply_{c.name}", c.type) for c in MessageRow.__table__.c]
-        join = (
-            " LEFT JOIN messages AS r ON m.role = 'user' "
-            "AND r.conversation_id = m.conversation_id AND r.position = m.position + 1 "
-            "AND r.role = 'assistant' AND r.position < :before"
-        )
+    select_, typed, join = _message_columns(replies)
     terms = range(n_terms)
     queries = ", ".join(f"to_tsquery('{TS_CONFIG}', :t{i}) AS q{i}" for i in terms)
     counts = ", ".join(f"count(*) FILTER (WHERE s.{TSV_COLUMN} @@ q.q{i}) AS d{i}" for i in terms)
