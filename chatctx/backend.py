@@ -42,6 +42,7 @@ __all__ = [
     "TextEmbedder",
     "Timings",
     "Usage",
+    "fit_side",
 ]
 
 
@@ -220,6 +221,24 @@ class MemorySnapshot:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def fit_side(
+    prompt_tokens: int, side_room: int, settings: GenerationSettings, where: str
+) -> GenerationSettings:
+    """``settings`` for a side generation (a summary) of a ``prompt_tokens`` prompt in
+    ``side_room`` tokens: ``max_tokens`` cut to what is left; ``GenerationError`` when the
+    prompt itself does not fit (``where`` names the room in the message)."""
+    from chatctx.errors import GenerationError
+
+    room = side_room - prompt_tokens
+    if room < 1:
+        raise GenerationError(
+            f"side prompt of {prompt_tokens} tokens does not fit the {where} ({side_room} tokens)"
+        )
+    if settings.max_tokens > room:
+        return settings.model_copy(update={"max_tokens": room})
+    return settings
 
 
 # the protocols ----------------------------------------------------------------------------

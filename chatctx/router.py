@@ -30,6 +30,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from chatctx._resource import Closeable
@@ -139,6 +140,8 @@ class Router(Closeable):
         self._store, self._own_store = _open_store(store)
         self._placed: dict[str, str] = {}  # without a store
         self._pending: dict[str, str] = {}  # conversation -> why its next turn re-prefills
+        # conversation -> the move (backend, placed_at) whose reason was looked up already
+        self._seen_moves: dict[str, tuple[str, datetime | None]] = {}
         self._sides: dict[int, BackendState] = {}  # id(cancel event) -> where it runs
         self._lock = threading.RLock()
         self._load_factor = load_factor
@@ -347,6 +350,10 @@ class Router(Closeable):
             return None
         if placement.move_reason.endswith(WITH_STATE):
             return None  # nothing to prefill again
+        move = (placement.backend, placement.placed_at)
+        if self._seen_moves.get(conversation) == move:
+            return None  # this process has looked at this move already: not every turn
+        self._seen_moves[conversation] = move
         turns = self._store.turns(conversation)
         if turns and turns[-1].backend == placement.backend:
             return None

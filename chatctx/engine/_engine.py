@@ -25,6 +25,7 @@ from chatctx.backend import (
     ModelInfo,
     RenderedPrompt,
     TextEmbedder,
+    fit_side,
 )
 from chatctx.config import EngineConfig, GenerationSettings
 from chatctx.engine import _gguf
@@ -496,14 +497,7 @@ class Engine(PooledLeases, Closeable):
         spare = self.spare_seq
         if spare is None:
             raise ConfigError("side generations need a reserved sequence (n_seq_max > slots)")
-        room = self.side_room - len(prompt)
-        if room < 1:
-            raise GenerationError(
-                f"side prompt of {len(prompt)} tokens does not fit the summary room "
-                f"({self.side_room} tokens)"
-            )
-        if settings.max_tokens > room:
-            settings = settings.model_copy(update={"max_tokens": room})
+        settings = fit_side(len(prompt), self.side_room, settings, "summary room")
         with self._side:
             while True:  # a changed summary's insert may hold the spare for a few steps
                 with self._locked():

@@ -37,6 +37,7 @@ from chatctx.backend import (
     MemorySnapshot,
     ModelInfo,
     TextEmbedder,
+    fit_side,
 )
 from chatctx.config import GenerationSettings
 from chatctx.engine._codec import PROBES
@@ -551,14 +552,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
         seq = self.summary_seq
         if seq is None:
             raise ConfigError("side generations need the summary slot (summary_slot=True)")
-        room = self.side_room - len(prompt)
-        if room < 1:
-            raise GenerationError(
-                f"side prompt of {len(prompt)} tokens does not fit the summary slot "
-                f"({self.side_room} tokens)"
-            )
-        if settings.max_tokens > room:
-            settings = settings.model_copy(update={"max_tokens": room})
+        settings = fit_side(len(prompt), self.side_room, settings, "summary slot")
         with self._side:
             stream = self._stream(prompt, seq, settings, None)
             self._side_running = (cancel, stream)
