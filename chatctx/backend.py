@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from chatctx.config import GenerationSettings
 
 __all__ = [
+    "CACHE_EDITS",
     "Backend",
     "Codec",
     "GenerationResult",
@@ -44,6 +45,10 @@ __all__ = [
     "Usage",
     "fit_side",
 ]
+
+
+# Strongest first: what a slot's cache keeps of a changed prompt (``Backend.cache_edits``).
+CACHE_EDITS = ("in-place", "deletions", "prefix")
 
 
 # prompts ----------------------------------------------------------------------------------
@@ -305,6 +310,15 @@ class Backend(Protocol):
 
     @property
     def closed(self) -> bool: ...
+
+    @property
+    def cache_edits(self) -> str:
+        """What of a changed prompt the slot's cache keeps, which decides the prompt layout
+        (``ContextSettings.layout`` "auto"): ``"in-place"``, cached runs are moved behind
+        inserted text (the in-process engine); ``"deletions"``, runs after a deleted span
+        are moved back, but text inserted in front of them hides them (llama-server's cache
+        reuse); ``"prefix"``, the common prefix only."""
+        ...
 
     def info(self) -> ModelInfo: ...
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatctx._resource import Closeable
 from chatctx.backend import (
+    CACHE_EDITS,
     Backend,
     Codec,
     GenerationResult,
@@ -376,6 +377,11 @@ class Router(Closeable):
     @property
     def side_room(self) -> int:
         return min(state.backend.side_room for state in self._states)
+
+    @property
+    def cache_edits(self) -> str:
+        """The weakest of the backends': a conversation may move to any of them."""
+        return max((state.backend.cache_edits for state in self._states), key=CACHE_EDITS.index)
 
     @property
     def model_name(self) -> str:

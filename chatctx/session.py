@@ -365,9 +365,18 @@ class ChatSession(Closeable):
                 cache=store,
                 lookup=store.messages_by_ids,
                 recall=self._recall_search(settings),
+                layout=self._layout(settings),
             )
             self._builder_settings = settings
         return self._builder
+
+    def _layout(self, settings: ContextSettings) -> str:
+        """The prompt layout: as set, or for "auto" the one the backend's cache keeps best
+        (summary-first where it edits in place, else append: see ``chatctx.context._layout``)."""
+        if settings.layout != "auto":
+            return settings.layout
+        edits = getattr(self.engine, "cache_edits", "in-place")  # a backend from before it
+        return "summary-first" if edits == "in-place" else "append"
 
     def _recall_search(self, settings: ContextSettings) -> RecallSearch:
         """Recall by meaning (sentence embeddings) or by words (the store's BM25 index)."""
@@ -447,6 +456,7 @@ class ChatSession(Closeable):
             summary=stored.summary.content if stored.summary else None,
             summary_tokens=stored.summary.token_count or 0 if stored.summary else 0,
             pending_ids=stored.pending_ids,
+            summary_blocks=stored.summary.blocks if stored.summary else (),
         )
         history = self.store.messages(self.conversation_id, from_position=state.window_start)
         budget, reserve = self._budget(context, generation)
@@ -740,6 +750,7 @@ class ChatSession(Closeable):
                     pending_ids=built.state.pending_ids,
                     new_summary=new_summary,
                     expected_version=self._state_version,
+                    summary_blocks=built.state.summary_blocks,
                 )
             except ContextStateConflict:
                 if attempt == STATE_ATTEMPTS:

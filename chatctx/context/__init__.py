@@ -2,7 +2,6 @@
 
 from chatctx.context._background import BackgroundSummarizer
 from chatctx.context._builder import (
-    SUMMARY_HEADER,
     BuildResult,
     Codec,
     ContextBuilder,
@@ -10,6 +9,7 @@ from chatctx.context._builder import (
     ContextState,
     TokenCache,
 )
+from chatctx.context._layout import SUMMARY_HEADER, SUMMARY_MORE
 from chatctx.context._meaning import MeaningSearch
 from chatctx.context._recall import RECALL_HEADER, RecallSearch
 from chatctx.context._turns import group_turns, id_ranges
@@ -25,6 +25,7 @@ from chatctx.context.summarizers import (
 __all__ = [
     "RECALL_HEADER",
     "SUMMARY_HEADER",
+    "SUMMARY_MORE",
     "BackgroundSummarizer",
     "BuildResult",
     "Codec",

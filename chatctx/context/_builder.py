@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from chatctx.backend import Codec, RenderedPrompt
 from chatctx.config import ContextSettings
+from chatctx.context._layout import SUMMARY_HEADER, Block, next_blocks, render
 from chatctx.context._recall import (
     RECALL_HEADER,
     RecallSearch,
@@ -33,7 +34,6 @@ from chatctx.store import Message
 
 logger = logging.getLogger("chatctx.context")
 
-SUMMARY_HEADER = "Summary of the earlier conversation (older turns are not shown):\n"
 TRUNCATION_MARKER = "\n[... {n} characters removed to fit the context ...]\n"
 _ANCHOR = {"role": "system", "content": "."}
 MAX_PENDING = 2000
@@ -55,6 +55,9 @@ class ContextState:
     summary: str | None = None
     summary_tokens: int = 0
     pending_ids: tuple[int, ...] = ()  # evicted, not yet folded into the summary
+    # Where each part of the summary is sent in the append layout (see ``_layout``); empty:
+    # all of it up front.
+    summary_blocks: tuple[Block, ...] = ()
 
 
 @dataclass(slots=True)
@@ -90,11 +93,10 @@ class ContextPlan:
     window_start: int = 0
     prompt_hash: str = ""
     build_ms: float = 0.0
-
-    @property
-    def history_start(self) -> int:
-        """Where the kept turns begin in the prompt: after system, pinned and summary."""
-        return self.sections["system"] + self.sections["summary"]
+    layout: str = "summary-first"
+    # Where the kept turns begin in the prompt: after system, pinned and the summary sent in
+    # front of them.
+    history_start: int = 0
 
     def drop(self, ids: Sequence[int], reason: str) -> None:
         """List messages that no summary will cover, and why."""
@@ -136,15 +138,22 @@ class ContextBuilder:
         lookup: Callable[[Sequence[int]], list[Message]] | None = None,
         recall: RecallSearch | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        layout: str | None = None,
     ) -> None:
         """``lookup`` re-reads messages by id: those evicted earlier while summarizing failed
         are retried at the next eviction (the store's ``messages_by_ids``). ``recall`` searches
         the conversation's evicted messages (the store's ``search_messages``); without it
-        nothing is recalled. ``clock`` times summaries against ``summary_timeout_s``."""
+        nothing is recalled. ``clock`` times summaries against ``summary_timeout_s``.
+        ``layout`` overrides ``settings.layout`` (a session resolves "auto" for its backend;
+        "auto" here means summary-first)."""
         self.codec = codec
         self.lookup = lookup
         self.recall = recall
         self.settings = settings or ContextSettings()
+        chosen = layout or self.settings.layout
+        if chosen not in ("auto", "summary-first", "append"):
+            raise ConfigError(f"layout must be summary-first or append, not {chosen!r}")
+        self.layout = "append" if chosen == "append" else "summary-first"
         self.summarizer = summarizer
         self.cache = cache
         self._counts: dict[int, int] = {}
@@ -232,6 +241,9 @@ class ContextBuilder:
         window = [m for m in history if m.position >= state.window_start and m.id not in pinned_ids]
         turns = group_turns(window)
         new = {"role": "user", "content": new_message}
+        # An addition to the summary written now is sent after the last message there is.
+        after = history[-1].position if history else state.window_start - 1
+        kinds: list[str] = []  # the section of each message of the last assemble()
 
         def assemble(
             summary: str | None,
@@ -240,16 +252,28 @@ class ContextBuilder:
             recall: str | None = None,
         ) -> list[dict[str, Any]]:
             out = list(head)
-            if summary:
-                out.append({"role": "system", "content": SUMMARY_HEADER + summary})
-            out += [m.to_openai() for turn in kept for m in turn]
+            kinds[:] = ["system"] * len(head)
+            parts = render(summary, blocks, self.layout)
+            for turn in kept:
+                for m in turn:
+                    while parts and parts[0][0] < m.position:
+                        out.append({"role": "system", "content": parts.pop(0)[1]})
+                        kinds.append("summary")
+                    out.append(m.to_openai())
+                    kinds.append("history")
+            for _, content in parts:
+                out.append({"role": "system", "content": content})
+                kinds.append("summary")
             if recall:
                 out.append({"role": "system", "content": recall})
+                kinds.append("recall")
             out.append(dict(last))
+            kinds.append("new_message")
             return out
 
         summary = state.summary
         summary_tokens = state.summary_tokens
+        blocks = state.summary_blocks
         total = self.count_messages(assemble(summary, turns, new))
         plan = ContextPlan(
             policy=s.policy,
@@ -267,8 +291,14 @@ class ContextBuilder:
         if pending and callable(ready) and ready():
             # A summary written in the background is done: it takes effect on this turn.
             summary, summary_tokens, pending = self._summarize(plan, state, [], pending)
+            if summary != state.summary:
+                blocks = next_blocks(state.summary, blocks, summary, after)
             state = replace(
-                state, summary=summary, summary_tokens=summary_tokens, pending_ids=tuple(pending)
+                state,
+                summary=summary,
+                summary_tokens=summary_tokens,
+                pending_ids=tuple(pending),
+                summary_blocks=blocks,
             )
             total = self.count_messages(assemble(summary, turns, new))
             plan.prompt_tokens = total
@@ -306,6 +336,8 @@ class ContextBuilder:
                 evicted += turns.pop(0)
             plan.evicted_ids = [m.id for m in evicted]
             summary, summary_tokens, pending = self._summarize(plan, state, evicted, pending)
+            if summary != state.summary:
+                blocks = next_blocks(state.summary, blocks, summary, after)
             total = self.count_messages(assemble(summary, turns, new))
             while total > budget and turns:  # the summary grew more than expected
                 late = turns.pop(0)
@@ -346,14 +378,13 @@ class ContextBuilder:
             recalled.pop()
         assert len(tokens) == total or recall_text is not None
         total = len(tokens)
+        plan.layout = self.layout
         plan.recalled_ids = [m.id for m, _, _ in recalled]
         plan.recall_scores = [round(score, 4) for _, _, score in recalled]
         plan.window_start = window_start
         plan.prompt_tokens = total
         plan.kept_ids = [m.id for turn in turns for m in turn]
-        plan.sections = self._sections(
-            head, sent_summary, turns, recall_text, messages, total, reserve
-        )
+        plan.sections, plan.history_start = self._sections(kinds, messages, total, reserve)
         plan.new_tokens = self._new_tokens(history, plan)
         plan.prompt_hash = hashlib.sha256(
             b"".join(t.to_bytes(4, "little") for t in tokens)
@@ -371,6 +402,7 @@ class ContextBuilder:
             summary=summary,
             summary_tokens=summary_tokens,
             pending_ids=tuple(pending),
+            summary_blocks=blocks if summary else (),
         )
         return BuildResult(
             plan=plan,
@@ -575,37 +607,31 @@ class ContextBuilder:
         return self._gen_prompt_tokens
 
     def _sections(
-        self,
-        head: list[dict[str, Any]],
-        summary: str | None,
-        turns: Sequence[Sequence[Message]],
-        recall: str | None,
-        full: list[dict[str, Any]],
-        total: int,
-        reserve: int,
-    ) -> dict[str, int]:
-        # Prefix renders give exact section sizes that add up to the prompt's length.
-        n_head = len(head)
-        n_summary = n_head + (1 if summary else 0)
-        n_history = n_summary + sum(len(turn) for turn in turns)
-        n_recall = n_history + (1 if recall else 0)
+        self, kinds: Sequence[str], full: list[dict[str, Any]], total: int, reserve: int
+    ) -> tuple[dict[str, int], int]:
+        """Exact section sizes that add up to the prompt's length (from prefix renders, one
+        where the section changes), and where the first kept turn begins."""
 
         def upto(n: int) -> int:
             # n == 0 still counts: a template may open every prompt with BOS.
             return self.count_messages(full[:n], add_generation_prompt=False)
 
-        system = upto(n_head)
-        with_summary = upto(n_summary)
-        with_history = upto(n_history)
-        with_recall = upto(n_recall) if recall else with_history
-        return {
-            "system": system,
-            "summary": with_summary - system,
-            "history": with_history - with_summary,
-            "recall": with_recall - with_history,
-            "new_message": total - with_recall,
-            "reserve": reserve,
-        }
+        sections = dict.fromkeys(("system", "summary", "history", "recall", "new_message"), 0)
+        n_head = sum(1 for kind in kinds if kind == "system")
+        at = sections["system"] = upto(n_head)
+        history_start = None
+        i = n_head
+        while i < len(kinds):
+            j = i
+            while j < len(kinds) and kinds[j] == kinds[i]:
+                j += 1
+            if history_start is None and kinds[i] != "summary":
+                history_start = at
+            end = total if j == len(kinds) else upto(j)
+            sections[kinds[i]] += end - at
+            at, i = end, j
+        sections["reserve"] = reserve
+        return sections, at if history_start is None else history_start
 
 
 __all__ = [

@@ -277,6 +277,12 @@ class Engine(PooledLeases, Closeable):
         return self.config.model_path.name
 
     @property
+    def cache_edits(self) -> str:
+        """ "in-place": evicted spans are removed and kept runs shifted (a model whose cache
+        cannot shift positions re-evaluates instead: "prefix")."""
+        return "in-place" if self.context.can_shift() else "prefix"
+
+    @property
     def side_room(self) -> int:
         """Tokens a side generation (a summary: prompt and output) may use."""
         if self.spare_seq is None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from chatctx.backend import KVReport
 
-__all__ = ["KVReport", "ReusePlan", "common_prefix", "plan_reuse"]
+__all__ = ["KVReport", "ReusePlan", "common_prefix", "plan_in_order", "plan_reuse"]
 
 MIN_CHUNK = 16  # smaller reusable spans are not worth a shift
 
@@ -141,3 +141,44 @@ def plan_reuse(
         chunks.append((at, at + length))
         here += length
     return ReusePlan(prefix=prefix, chunks=tuple(chunks), dest=dest)
+
+
+def plan_in_order(cached: Sequence[int], prompt: Sequence[int], *, min_chunk: int) -> ReusePlan:
+    """What a cache that moves runs only in order keeps: llama-server's ``n_cache_reuse``.
+
+    After the common prefix the server walks the cache forward; where at least ``min_chunk``
+    tokens continue the prompt at its current place it shifts them there and goes on after
+    them, else it steps one cached token on. A deleted span is stepped over; text inserted
+    in the prompt is never found, so nothing after it is kept. ``min_chunk`` 0: the common
+    prefix only. As the server, it always evaluates the prompt's last token.
+    """
+    limit = len(prompt) - 1
+    prefix = common_prefix(cached, prompt)
+    chunks: list[tuple[int, int]] = []
+    if min_chunk > 0:
+        head_c = head_p = prefix
+        while head_c < len(cached) and head_p < len(prompt):
+            n = 0
+            while (
+                head_c + n < len(cached)
+                and head_p + n < len(prompt)
+                and cached[head_c + n] == prompt[head_p + n]
+            ):
+                n += 1
+            if n >= min_chunk:
+                chunks.append((head_c, head_c + n))
+                head_c += n
+                head_p += n
+            else:
+                head_c += 1
+    # The last prompt token is evaluated again: trim what was kept to end before it.
+    prefix = min(prefix, limit)
+    kept: list[tuple[int, int]] = []
+    room = limit - prefix
+    for start, end in chunks:
+        take = min(end - start, room)
+        if take <= 0:
+            break
+        kept.append((start, start + take))
+        room -= take
+    return ReusePlan(prefix=prefix, chunks=tuple(kept), dest=prefix)

@@ -11,10 +11,16 @@ cache, and the conversation that had it re-evaluates its prompt when it comes ba
 (``Lease.reprefill_reason`` says so; a server with a host-RAM prompt cache, ``--cache-ram``,
 may still bring it back: the turn's ``reused_tokens``, the server's ``cache_n``, tell).
 
-What differs from ``Engine``: the server reuses the common prefix only, never a shifted run
-(``KVReport.policy`` is ``"server"``; a shift chatctx could have made is named in
-``KVReport.fallback``); its repeat penalty's window also covers the prompt (the engine's covers
-the reply only), so replies match the engine's token for token at ``repeat_penalty=1.0``.
+What differs from ``Engine``: the server reuses the common prefix and then, with
+``n_cache_reuse`` (sent with every request, ``cache_reuse`` tokens: the server's own
+``--cache-reuse`` need not be set), the cached runs that follow it in order, shifted back over
+deleted spans; text inserted in front of cached runs hides them (``cache_edits`` is
+"deletions", so a session lays its prompts out with the summary appended, see
+``chatctx.context._layout``). ``KVReport.policy`` is ``"server"``, its reuse the server's own
+``cache_n``, its shifts what the server's reuse walk moves (``plan_in_order``); a server that
+kept less than that walk allows says so in ``KVReport.fallback``. Its repeat penalty's window
+also covers the prompt (the engine's covers the reply only), so replies match the engine's
+token for token at ``repeat_penalty=1.0``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from chatctx.config import GenerationSettings
 from chatctx.engine._codec import PROBES
 from chatctx.engine._embedder import local_embedder
 from chatctx.engine._gguf import model_facts, read_metadata
-from chatctx.engine._kv import plan_reuse
+from chatctx.engine._kv import MIN_CHUNK, plan_in_order
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._slots import PooledLeases, SlotPool
 from chatctx.engine._swap import SwapHit
@@ -80,7 +86,9 @@ class LlamaServerBackend(PooledLeases, Closeable):
     for ``/health`` (a server still loading). ``slot_save_path`` is the server's
     ``--slot-save-path`` (``export_state``/``import_state``/``forget`` need it). ``embedder``
     ranks recall by meaning (default: the local all-MiniLM-L6-v2 when installed). ``name`` is
-    how errors and records call it (default: the URL).
+    how errors and records call it (default: the URL). ``cache_reuse`` is the ``n_cache_reuse``
+    sent with each request: the shortest cached run the server shifts into place instead of
+    evaluating again (0: the common prefix only, as a server without ``--cache-reuse``).
     """
 
     def __init__(
@@ -97,6 +105,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
         name: str | None = None,
         chat_template: str | None = None,
         chat_format: str | None = None,
+        cache_reuse: int = MIN_CHUNK,
     ) -> None:
         require_httpx()
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -106,6 +115,9 @@ class LlamaServerBackend(PooledLeases, Closeable):
             )
         if timeout <= 0:
             raise ConfigError(f"timeout must be positive, not {timeout}")
+        if cache_reuse < 0:
+            raise ConfigError(f"cache_reuse must be 0 or more tokens, not {cache_reuse}")
+        self.cache_reuse = cache_reuse
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.model_path = resolve_model_path(model)
@@ -245,6 +257,10 @@ class LlamaServerBackend(PooledLeases, Closeable):
     @property
     def side_room(self) -> int:
         return self._n_ctx if self.summary_seq is not None else 0
+
+    @property
+    def cache_edits(self) -> str:
+        return "deletions" if self.cache_reuse > 0 else "prefix"
 
     @property
     def model_name(self) -> str:
@@ -459,14 +475,15 @@ class LlamaServerBackend(PooledLeases, Closeable):
             raise ConfigError(f"eviction must be 'shift' or 'recompute', not {eviction!r}")
         if not prompt:
             raise GenerationError("empty prompt")
-        return self._stream(prompt, seq_id, settings or GenerationSettings(), history_start)
+        # history_start is for an engine that moves runs behind inserted text; the server
+        # walks its cache in order (see plan_in_order).
+        return self._stream(prompt, seq_id, settings or GenerationSettings())
 
     def _stream(
         self,
         prompt: Sequence[int],
         seq_id: int,
         settings: GenerationSettings,
-        history_start: int | None,
     ) -> ServerStream:
         tokens = [int(t) for t in prompt]
         body: dict[str, Any] = {
@@ -483,6 +500,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
             "min_p": settings.min_p,
             "repeat_penalty": settings.repeat_penalty,
             "repeat_last_n": settings.repeat_last_n,
+            "n_cache_reuse": self.cache_reuse,
         }
         if settings.seed is not None:
             body["seed"] = settings.seed
@@ -490,18 +508,23 @@ class LlamaServerBackend(PooledLeases, Closeable):
             before = list(self._mirror[seq_id])
 
         def report(cache_n: int, prompt_n: int) -> KVReport:
-            plan = plan_reuse(before, tokens, history_start=history_start)
-            shift = plan.prefix + plan.chunk_len if plan.chunks else 0
+            plan = plan_in_order(before, tokens, min_chunk=self.cache_reuse)
+            expected = plan.prefix + plan.chunk_len
+            moved = [end - start for start, end, delta in plan.moves() if delta]
+            # Fewer: the slot lost its cache meanwhile, or a build without per-request
+            # n_cache_reuse; more: its host-RAM prompt cache gave back a lost prompt.
+            as_walked = cache_n == expected
             return KVReport(
                 policy="server",
                 reused_tokens=cache_n,
                 evaluated_tokens=prompt_n,
                 evicted_tokens=max(0, len(before) - cache_n),
-                shifted_tokens=0,
-                shift_count=0,
-                fallback="llama-server reuses the common prefix only (no in-place shift)"
-                if shift > cache_n
-                else None,
+                shifted_tokens=sum(moved) if as_walked else 0,
+                shift_count=len(moved) if as_walked else 0,
+                fallback=None
+                if cache_n >= expected
+                else f"llama-server reused {cache_n} of the {expected} cached tokens its "
+                f"cache reuse could keep",
             )
 
         stream = ServerStream(
@@ -554,7 +577,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
             raise ConfigError("side generations need the summary slot (summary_slot=True)")
         settings = fit_side(len(prompt), self.side_room, settings, "summary slot")
         with self._side:
-            stream = self._stream(prompt, seq, settings, None)
+            stream = self._stream(prompt, seq, settings)
             self._side_running = (cancel, stream)
             timer: threading.Timer | None = None
             try:

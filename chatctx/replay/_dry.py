@@ -4,6 +4,8 @@ Replay's dry run drives ``ChatSession`` through this backend, the same loop a li
 through ``Engine``. Each slot's cache is a mirror list brought to the prompt with the engine's
 own planner (``plan_reuse``), with the accounting ``Engine`` reports for a teacher-forced
 prefill: so a dry turn's reused, evaluated, evicted and shifted tokens equal a live one's.
+With ``cache_edits="deletions"`` it keeps what llama-server's cache reuse keeps instead
+(``plan_in_order``), and with ``"prefix"`` the common prefix only.
 It assumes what chatctx sets up for a live run: a model whose cache can shift positions and a
 free spare sequence on a unified cache (for turns that follow a changed summary).
 
@@ -20,6 +22,7 @@ from typing import Any
 
 from chatctx._resource import Closeable
 from chatctx.backend import (
+    CACHE_EDITS,
     Codec,
     GenerationResult,
     KVReport,
@@ -31,7 +34,7 @@ from chatctx.backend import (
 )
 from chatctx.config import GenerationSettings
 from chatctx.engine._embedder import local_embedder
-from chatctx.engine._kv import plan_reuse
+from chatctx.engine._kv import MIN_CHUNK, plan_in_order, plan_reuse
 from chatctx.engine._memory import pad256
 from chatctx.engine._slots import PooledLeases, SlotPool
 from chatctx.engine._swap import SwapHit
@@ -101,7 +104,11 @@ class DryBackend(PooledLeases, Closeable):
         n_ctx: int,
         model_path: Path | None = None,
         slots: int = 1,
+        cache_edits: str = "in-place",
     ) -> None:
+        if cache_edits not in CACHE_EDITS:
+            raise ConfigError(f"cache_edits must be one of {', '.join(CACHE_EDITS)}")
+        self._cache_edits = cache_edits
         self._codec = codec
         self._n_ctx = pad256(n_ctx)
         self.model_path = model_path
@@ -124,6 +131,10 @@ class DryBackend(PooledLeases, Closeable):
     @property
     def side_room(self) -> int:
         return 0
+
+    @property
+    def cache_edits(self) -> str:
+        return self._cache_edits
 
     @property
     def model_name(self) -> str:
@@ -229,7 +240,11 @@ class DryBackend(PooledLeases, Closeable):
         with self._lock:
             self._check_open()
             mirror = self._mirror[seq_id]
-            plan = plan_reuse(mirror, prompt, history_start=history_start)
+            if self._cache_edits == "in-place":
+                plan = plan_reuse(mirror, prompt, history_start=history_start)
+            else:  # what llama-server keeps, with chatctx's n_cache_reuse or without
+                chunk = MIN_CHUNK if self._cache_edits == "deletions" else 0
+                plan = plan_in_order(mirror, prompt, min_chunk=chunk)
             if plan.chunks and eviction == "shift":
                 reused = plan.prefix + plan.chunk_len
                 moved = [end - start for start, end, delta in plan.moves() if delta]

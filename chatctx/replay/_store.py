@@ -227,6 +227,7 @@ class ReplayStore(Store):
         pending_ids: Sequence[int] = (),
         new_summary: tuple[str, Sequence[int], int, str] | None = None,
         expected_version: int | None = None,
+        summary_blocks: Sequence[tuple[int, int]] = (),
     ) -> StoredContextState:
         state = super().save_context_state(
             conversation_id,
@@ -234,6 +235,7 @@ class ReplayStore(Store):
             pending_ids=pending_ids,
             new_summary=new_summary,
             expected_version=expected_version,
+            summary_blocks=summary_blocks,
         )
         with self._lock:
             self._states[conversation_id] = state

@@ -95,6 +95,10 @@ class OwnedAs:
         return self.inner.side_room
 
     @property
+    def cache_edits(self) -> str:
+        return self.inner.cache_edits
+
+    @property
     def model_name(self) -> str:
         return self.inner.model_name
 

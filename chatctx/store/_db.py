@@ -66,6 +66,7 @@ def _summary(row: SummaryRow) -> Summary:
         token_count=row.token_count,
         tokenizer=row.tokenizer,
         created_at=row.created_at,
+        blocks=tuple((int(start), int(after)) for start, after in row.blocks or ()),
     )
 
 
@@ -444,10 +445,12 @@ class Store(PlacementStore, CacheMixin, Closeable):
         pending_ids: Sequence[int] = (),
         new_summary: tuple[str, Sequence[int], int, str] | None = None,
         expected_version: int | None = None,
+        summary_blocks: Sequence[tuple[int, int]] = (),
     ) -> StoredContextState:
         """Persist the window start and, when it changed, a new summary version.
 
-        ``new_summary`` is (content, newly covered message ids, token count, tokenizer).
+        ``new_summary`` is (content, newly covered message ids, token count, tokenizer);
+        ``summary_blocks`` where its parts are sent in the append layout.
         Both are written in one transaction. Each save adds one to the state's ``version``;
         with ``expected_version`` (the version read by ``context_state``) it is a
         compare-and-set: when another writer saved in between, nothing is written and
@@ -488,6 +491,7 @@ class Store(PlacementStore, CacheMixin, Closeable):
                     covered_message_ids=list(covered),
                     token_count=tokens,
                     tokenizer=tokenizer,
+                    blocks=[[start, after] for start, after in summary_blocks] or None,
                 )
                 session.add(summary_row)
                 session.flush()

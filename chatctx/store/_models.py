@@ -115,6 +115,9 @@ class SummaryRow(Base):
     token_count: Mapped[int | None] = mapped_column(Integer)
     tokenizer: Mapped[str | None] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # [[first character, message position it follows], ...]: where each part is sent in the
+    # append layout (chatctx.context._layout); NULL: all of it up front.
+    blocks: Mapped[list[list[int]] | None] = mapped_column(JSON)
 
 
 class TurnRow(Base):

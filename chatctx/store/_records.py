@@ -110,6 +110,8 @@ class Summary:
     token_count: int | None
     tokenizer: str | None
     created_at: datetime | None
+    # (first character, message position it follows) of each part in the append layout
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

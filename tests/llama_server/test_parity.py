@@ -1,10 +1,9 @@
 """The same customers through the in-process Engine and through llama-server.
 
 Oracles: the Engine's replies (greedy, the same SmolLM2), the server's /tokenize of each
-rendered prompt, and the cache reuse this test computes itself: the common prefix of a
-turn's prompt with what the slot held after the turn before (that prompt and the reply's
-tokens, less the last sampled one when the reply stopped at its length: it was never
-evaluated).
+rendered prompt, and the cache reuse this test computes itself: llama-server's walk of what
+the slot held after the turn before (that prompt and the reply's tokens, less the last
+sampled one when the reply stopped at its length: it was never evaluated), ``tests.walk``.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from chatctx.config import ContextSettings, GenerationSettings
 from chatctx.engine import common_prefix
 from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
 from tests.llama_server.conftest import N_CTX, SLOTS
+from tests.walk import server_walk
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def test_after_evictions_the_server_reuses_what_chatctx_expects(
     context = ContextSettings(budget=160, summarizer="extractive", recall=False)
     served = converse(backend, db_url, context, "evict")
     codec = backend.codec()
-    evictions = 0
+    evictions = moved = 0
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for name, turns in served.items():
             before: list[int] = []
@@ -136,12 +136,19 @@ def test_after_evictions_the_server_reuses_what_chatctx_expects(
                 ).json()["tokens"]
                 assert prompt == tokenized, name
                 if last_slot is not None and slot == last_slot:
-                    expected = min(common_prefix(before, prompt), len(prompt) - 1)
-                    if expected < len(before) - 1:
+                    # The server's walk of its cache (n_cache_reuse as the backend sends it):
+                    # after an eviction it shifts the kept turns back over the deleted ones.
+                    expected = server_walk(before, prompt, backend.cache_reuse)
+                    prefix = min(common_prefix(before, prompt), len(prompt) - 1)
+                    if prefix < len(before) - 1:
                         evictions += 1
+                        moved += expected > prefix
                     assert reused == expected, (name, len(before), len(prompt))
                 reply = codec.encode_text(text)
                 assert len(reply) == n  # the reply re-encodes to the tokens generated
                 before = prompt + (reply[:-1] if stop == "length" else reply)
                 last_slot = slot
     assert evictions >= 3
+    # The append layout (llama-server edits no cache in place) keeps the kept turns after a
+    # deletion, which the common prefix alone never does.
+    assert moved >= 3

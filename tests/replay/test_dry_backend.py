@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,74 @@ def test_a_dry_replay_stores_what_a_chat_session_on_the_dry_backend_stores(
     for key, value in totals(stored).as_dict().items():
         if key != "summary_ms":  # a wall-clock time
             assert summary[key] == value, key
+
+
+def test_dry_backend_keeps_what_llama_server_keeps(tiny_llama3_path: Path) -> None:
+    # Hand-computed: deletions are stepped over, an insertion hides what follows it.
+    codec = open_codec(tiny_llama3_path)
+    with DryBackend(codec, n_ctx=400, cache_edits="deletions") as backend:
+        assert backend.cache_edits == "deletions"
+        backend.lease("c1")
+        prefill(backend, P + A + B)
+        deleted = prefill(backend, P + B + C)
+        assert (deleted.usage.reused_tokens, deleted.usage.evaluated_tokens) == (25, 3)
+        assert deleted.kv is not None and deleted.kv.shifted_tokens == 20
+        inserted = prefill(backend, P + C + B + C)
+        assert (inserted.usage.reused_tokens, inserted.usage.evaluated_tokens) == (5, 26)
+    with DryBackend(codec, n_ctx=400, cache_edits="prefix") as backend:
+        backend.lease("c1")
+        prefill(backend, P + A + B)
+        assert prefill(backend, P + B + C).usage.reused_tokens == 5
+    with pytest.raises(ConfigError, match="cache_edits"):
+        DryBackend(codec, n_ctx=400, cache_edits="shift")
+
+
+def test_append_layout_survives_a_restart(tiny_llama3_path: Path, tmp_path: Path) -> None:
+    # The same chat twice, once with the session (and its builder) opened again midway: the
+    # summary's blocks come back from the store, so every prompt is the same token array,
+    # and every turn evaluates what is new at the end of its prompt only: the messages the
+    # previous prompt did not have (the dry cache holds exactly that prompt).
+    from tests.walk import kept_in, server_walk
+
+    codec = open_codec(tiny_llama3_path)
+    chat = support_conversation(24, seed=3)["messages"]
+    users = [m["content"] for m in chat if m["role"] == "user"]
+    replies = [m["content"] for m in chat if m["role"] == "assistant"]
+    runs: dict[str, list[list[int]]] = {}
+    for mode in ("straight", "reopened"):
+        url = f"sqlite:///{tmp_path / mode}.db"
+        prompts: list[list[int]] = []
+        previous: list[dict[str, Any]] = []
+        evictions = 0
+        with DryBackend(codec, n_ctx=512, cache_edits="deletions") as backend:
+            context = {"budget": 300, "recall": False}
+            session = ChatSession.open(url, conversation_id="c", backend=backend, context=context)
+            for n, (user, reply) in enumerate(zip(users, replies, strict=False)):
+                if mode == "reopened" and n == len(users) // 2:
+                    session.close()
+                    session = ChatSession.open(url, conversation_id="c", backend=backend)
+                cached = list(backend.cached_tokens(0))
+                result = session.record_turn(user, reply)
+                built = session.last_build
+                assert built is not None and built.plan.layout == "append"
+                found = kept_in(built.messages, previous)
+                k = found.index(None)
+                assert set(found[k:]) == {None}  # kept in order, new text at the end only
+                tail = len(built.tokens) - len(
+                    codec.prompt_tokens(built.messages[:k], add_generation_prompt=False)
+                )
+                # llama-server's walk of the cache, and what it may leave: the new end and
+                # kept runs under its 16-token chunk
+                walked = server_walk(cached, built.tokens, 16)
+                assert result.usage.evaluated_tokens == len(built.tokens) - walked
+                kept = [j for j in found[:k] if j is not None]
+                spans = 1 + sum(1 for a, b in itertools.pairwise(kept) if b != a + 1)
+                if n:
+                    assert result.usage.evaluated_tokens <= tail + 16 * spans
+                evictions += built.plan.evicted and built.plan.summary_changed
+                prompts.append(list(built.tokens))
+                previous = [dict(m) for m in built.messages]
+            session.close()
+        assert evictions >= 2
+        runs[mode] = prompts
+    assert runs["reopened"] == runs["straight"]

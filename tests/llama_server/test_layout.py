@@ -1,0 +1,118 @@
+"""What an eviction costs on a real llama-server, in each prompt layout.
+
+Oracles: the server's own counters (each turn's ``timings.prompt_n``, its /metrics
+``prompt_tokens_total``), the previous prompt's messages (what the slot may still hold),
+rendered and counted here, and the same conversation sent in the summary-first layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import httpx
+import pytest
+
+from chatctx import ChatSession
+from chatctx.config import ContextSettings, GenerationSettings
+from chatctx.context import RECALL_HEADER
+from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from tests.walk import kept_in
+
+pytestmark = pytest.mark.slow
+
+GREEDY = GenerationSettings(max_tokens=20, temperature=0.0, repeat_penalty=1.0)
+SYSTEM = "You are Ava, the support assistant of Nimbus Home Networks. Be brief."
+CHAT = [
+    "Hi, my router keeps dropping the wifi every evening.",
+    "My order number is 48213 and the router is an AX3000.",
+    "I live in Lyon, the flat is on the fourth floor.",
+    "The firmware says 2.1.4, is that the current one?",
+    "I updated it, but the drops came back after an hour.",
+    "My daughter Lena plays online games, she notices it first.",
+    "Could the neighbours' networks interfere with mine?",
+    "I changed the channel to 6 as you said.",
+    "It held for the whole evening, thanks.",
+    "One more thing: my e-mail is claire.dubois@example.org for the invoice.",
+    "Can you also send the warranty terms there?",
+    "Remind me, what was my order number again?",
+    "And which router model did I say I have?",
+    "Great, thanks for the help. Bye!",
+]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def run(backend: LlamaServerBackend, db_url: str, layout: str, tag: str) -> list[dict[str, Any]]:
+    context = ContextSettings(budget=256, layout=layout)  # type: ignore[arg-type]
+    turns = []
+    with ChatSession.open(
+        db_url,
+        conversation_id=f"layout-{tag}",
+        backend=backend,
+        system_prompt=SYSTEM,
+        settings=GREEDY,
+        context=context,
+    ) as chat:
+        for message in CHAT:
+            reply = chat.send(message)
+            built = chat.last_build
+            assert built is not None and reply.turn is not None
+            turns.append(
+                {
+                    "messages": [dict(m) for m in built.messages],
+                    "tokens": list(built.tokens),
+                    "plan": built.plan,
+                    "reply": reply,
+                }
+            )
+    return turns
+
+
+def test_an_eviction_costs_only_what_is_new_in_the_append_layout(
+    backend: LlamaServerBackend, server: LlamaServerProcess, db_url: str
+) -> None:
+    codec = backend.codec()
+    totals = {}
+    for layout in ("summary-first", "append"):
+        before_total = metric(server.url, "llamacpp:prompt_tokens_total")
+        turns = run(backend, db_url, layout, layout)
+        evaluated = [t["reply"].usage.evaluated_tokens for t in turns]
+        # The turn records hold the server's own figures: its counter moved by their sum.
+        totals[layout] = sum(evaluated)
+        assert metric(server.url, "llamacpp:prompt_tokens_total") - before_total == sum(evaluated)
+        if layout != "append":
+            continue
+        assert turns[0]["plan"].layout == "append"  # auto: the server edits no cache in place
+        evicting = recalling = 0
+        for previous, turn in itertools.pairwise(turns):
+            # What the slot may hold: the previous prompt's messages and its reply; a recall
+            # section is sent anew each turn.
+            reply = {"role": "assistant", "content": previous["reply"].text}
+            before = [
+                m
+                for m in [*previous["messages"], reply]
+                if not m["content"].startswith(RECALL_HEADER)
+            ]
+            found = kept_in(turn["messages"], before)
+            k = len(found)
+            while k > 0 and found[k - 1] is None:
+                k -= 1
+            assert None not in found[:k]  # only whole spans deleted, new text at the end
+            tail = len(turn["tokens"]) - len(
+                codec.prompt_tokens(turn["messages"][:k], add_generation_prompt=False)
+            )
+            # The server evaluated the new end only, and what closes the previous reply, which
+            # the slot never evaluated: its last sampled token, <|im_end|> and a newline.
+            assert turn["reply"].usage.evaluated_tokens <= tail + 3, (turn["plan"].reason, tail)
+            evicting += turn["plan"].evicted
+            recalling += bool(turn["plan"].recalled_ids)
+        assert evicting >= 3 and recalling >= 1, (evicting, recalling)
+    # The same chat with the summary in front re-evaluates the kept turns at every eviction.
+    assert totals["summary-first"] > 1.2 * totals["append"], totals
