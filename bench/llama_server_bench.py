@@ -11,7 +11,9 @@ prefills and samples one token), per budget:
       message) -> llama-server as it ships (``cache_prompt`` true, ``id_slot`` -1);
   (b) the same -> llama-server ``--cache-reuse 64``;
   (c) chatctx in process (``Engine``);  (d) chatctx -> llama-server (``LlamaServerBackend``);
-  (e) chatctx -> llama-server ``--cache-reuse 64``;  c0, d0, e0: (c)-(e) with recall off.
+  (e) chatctx -> llama-server ``--cache-reuse 64``;  c0, d0, e0: (c)-(e) with recall off;
+  (w), (x): chatctx with no model, its prompts through the engine's simulated cache (w) or
+      llama-server's simulated walk (x; ``DryBackend(cache_edits="deletions")``).
 Prefill amplification = evaluated / new tokens (new: what the full conversation adds each
 turn, counted once for every row), hit ratio = reused / prompt tokens, TTFT p50 of the last
 10 turns / the first 10 (pooled over chats), fact retention = probes whose answer is in the
@@ -57,7 +59,7 @@ import recall_bench as rb
 from chatctx.engine import Engine, default_model_path
 from chatctx.engine._codec import PromptCodec, open_codec
 from chatctx.engine._kv import common_prefix
-from chatctx.replay import LoggedConversation, ReplayConfig, Replayer
+from chatctx.replay import DryBackend, LoggedConversation, ReplayConfig, Replayer
 from chatctx.replay._run import _retained
 from chatctx.synthetic import support_conversation
 
@@ -74,6 +76,13 @@ ROWS = {
     "c0": "(c') chatctx in process, recall off",
     "d0": "(d') chatctx -> llama-server (default), recall off",
     "e0": "(e') chatctx -> llama-server --cache-reuse 64, recall off",
+    # Without a model or a server: chatctx's prompts through a simulated cache, the
+    # engine's in-place edits (w) or llama-server's walk with chatctx's n_cache_reuse (x),
+    # whose evaluated tokens the live rows (c), (d) reproduce; fast enough for all 40 chats.
+    "w": "(w) chatctx, the engine's cache simulated (dry)",
+    "x": "(x) chatctx, llama-server's cache walk simulated (dry)",
+    "w0": "(w') chatctx, the engine's cache simulated (dry), recall off",
+    "x0": "(x') chatctx, llama-server's cache walk simulated (dry), recall off",
 }
 
 
@@ -206,7 +215,9 @@ def figures(chats: list[list[dict[str, Any]]], new: int) -> dict[str, Any]:
         "hit": sum(r["reused"] for r in turns) / prompt,
         "ttft_first_ms": statistics.median(first),
         "ttft_last_ms": statistics.median(last),
-        "ttft_ratio": statistics.median(last) / statistics.median(first),
+        "ttft_ratio": statistics.median(last) / statistics.median(first)
+        if statistics.median(first)
+        else float("nan"),  # dry rows: no model, no time
         "retained": sum(probes),
         "probes": len(probes),
         # For chatctx rows: evaluated over chatctx's own new tokens, where a recalled
@@ -271,6 +282,10 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                 ) as server:
                     per_chat = [naive_chat(server.url, c, codec, budget) for c in chats]
                     check = str(ls.prompt_tokens_total([server.url]))
+            elif key[0] in "wx":
+                edits = "in-place" if key[0] == "w" else "deletions"
+                with DryBackend(codec, n_ctx=n_ctx, model_path=model, cache_edits=edits) as dry:
+                    per_chat = [chatctx_chat(dry, c, budget, len(key) == 1) for c in chats]
             elif key.startswith("c"):
                 with Engine.load(model, n_ctx=n_ctx, n_seq_max=2, n_threads=args.threads) as engine:
                     per_chat = [chatctx_chat(engine, c, budget, key == "c") for c in chats]

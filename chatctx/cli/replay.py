@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from chatctx.backend import Backend
 from chatctx.cli._common import (
     console,
     db_option,
@@ -57,6 +58,14 @@ def context_options(func: F) -> F:
             show_default=True,
             help="Remove evicted turns from the KV cache in place "
             "(shift) or re-evaluate after the first change (recompute).",
+        ),
+        click.option(
+            "--layout",
+            type=click.Choice(["auto", "summary-first", "append"]),
+            default="auto",
+            show_default=True,
+            help="Where the running summary goes: up front, or appended where each part was "
+            "written (what llama-server's cache reuse keeps); auto: as the backend keeps best.",
         ),
         click.option(
             "--low",
@@ -122,6 +131,18 @@ def _limited(
         if limit is not None and count >= limit:
             return
         yield item
+
+
+@contextmanager
+def _server_backend(url: str | None, model: str | None) -> Iterator[Backend | None]:
+    """A ``LlamaServerBackend`` on ``url`` for the replay (closed after it), or None."""
+    if url is None:
+        yield None
+        return
+    from chatctx.llama_server import LlamaServerBackend
+
+    with LlamaServerBackend(url, model=model) as backend:
+        yield backend
 
 
 @contextmanager
@@ -272,6 +293,22 @@ def _write(
 @click.option("--regenerate", is_flag=True, help="Let the model write each assistant turn.")
 @click.option("--dry-run", is_flag=True, help="Load no weights: tokenizer-only plans.")
 @click.option(
+    "--simulate",
+    type=click.Choice(["engine", "llama-server"]),
+    default="engine",
+    show_default=True,
+    help="With --dry-run: the cache to simulate, the engine's in-place edits or what "
+    "llama-server's cache reuse keeps.",
+)
+@click.option(
+    "--backend",
+    "backend_url",
+    default=None,
+    metavar="URL",
+    help="Replay on a running llama-server (http://host:port; --model is then the GGUF it "
+    "runs, read here for the tokenizer) instead of loading the model in this process.",
+)
+@click.option(
     "--max-tokens", type=int, default=128, show_default=True, help="Longest regenerated reply."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead.")
@@ -291,6 +328,7 @@ def replay(
     policy: str,
     summarizer: str,
     eviction: str,
+    layout: str,
     low: float,
     high: float,
     reserve: int | None,
@@ -305,6 +343,8 @@ def replay(
     back_to_back: bool,
     regenerate: bool,
     dry_run: bool,
+    simulate: str,
+    backend_url: str | None,
     max_tokens: int,
     as_json: bool,
     csv_path: Path | None,
@@ -317,6 +357,10 @@ def replay(
     """
     if regenerate and dry_run:
         raise ConfigError("--regenerate and --dry-run exclude each other")
+    if backend_url and dry_run:
+        raise ConfigError("--backend runs on a llama-server; --dry-run on no model: pick one")
+    if simulate != "engine" and not dry_run:
+        raise ConfigError("--simulate is for --dry-run (a live run measures its backend)")
     if not files and not from_db:
         raise ConfigError("name at least one FILE ('-' for stdin), or use --from-db")
     config = ReplayConfig(
@@ -327,6 +371,8 @@ def replay(
         high=high,
         low=low,
         eviction=eviction,
+        layout=layout,
+        simulate=simulate,
         summarizer=summarizer,
         max_turns=max_turns,
         system=system,
@@ -343,7 +389,11 @@ def replay(
     reports: list[ConversationReport] = []
     errors: list[str] = []
     failure: ChatctxError | None = None
-    with Replayer(config, model=model) as replayer, _progress("replaying turns") as advance:
+    with (
+        _server_backend(backend_url, model) as server,
+        Replayer(config, model=model, engine=server) as replayer,
+        _progress("replaying turns") as advance,
+    ):
         try:
             replay_all(
                 replayer,

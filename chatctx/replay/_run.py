@@ -44,6 +44,14 @@ class ReplayConfig(_Model):
     high: float = Field(1.0, gt=0, le=1, description="High watermark (share of budget).")
     low: float = Field(0.6, gt=0, le=1, description="Low watermark (share of budget).")
     eviction: Literal["shift", "recompute"] = Field("shift", description="KV eviction policy.")
+    layout: Literal["auto", "summary-first", "append"] = Field(
+        "auto", description="Where the summary goes (auto: as the backend's cache keeps best)."
+    )
+    simulate: Literal["engine", "llama-server"] = Field(
+        "engine",
+        description="A dry run's simulated cache: the engine's in-place edits, or what "
+        "llama-server's cache reuse keeps (the common prefix, then runs after deletions).",
+    )
     summarizer: Literal["extractive", "llm", "none"] = Field("extractive", description="Summary.")
     summary_max_tokens: int | None = Field(
         None, ge=16, description="Longest summary; None = the context settings' default."
@@ -81,6 +89,7 @@ class ReplayConfig(_Model):
             high=self.high,
             low=self.low,
             eviction=self.eviction,
+            layout=self.layout,
             summarizer=self.summarizer,
             **(
                 {}
@@ -234,7 +243,10 @@ class Replayer(Closeable):
                 path = resolve_model_path(model)
             # The context a live run's engine would have: budget and reserve, padded to 256.
             backend = DryBackend(
-                self.codec, n_ctx=config.budget + config.reserve_tokens, model_path=path
+                self.codec,
+                n_ctx=config.budget + config.reserve_tokens,
+                model_path=path,
+                cache_edits="in-place" if config.simulate == "engine" else "deletions",
             )
             self._owns_backend = True
         elif engine is None:

@@ -8,6 +8,8 @@ rendered and counted here, and the same conversation sent in the summary-first l
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +19,7 @@ from chatctx import ChatSession
 from chatctx.config import ContextSettings, GenerationSettings
 from chatctx.context import RECALL_HEADER
 from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from tests.llama_server.conftest import start_server
 from tests.walk import kept_in
 
 pytestmark = pytest.mark.slow
@@ -116,3 +119,34 @@ def test_an_eviction_costs_only_what_is_new_in_the_append_layout(
         assert evicting >= 3 and recalling >= 1, (evicting, recalling)
     # The same chat with the summary in front re-evaluates the kept turns at every eviction.
     assert totals["summary-first"] > 1.2 * totals["append"], totals
+
+
+def test_replay_cli_on_a_llama_server(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    # `chatctx replay --backend URL`: the turns run on the server (its own prompt-token
+    # counter moved by the report's evaluated tokens), in the append layout: an eviction
+    # evaluates about what the new message adds (the dry simulation of the server's walk
+    # gives the same figures, turn by turn).
+    from click.testing import CliRunner
+
+    from chatctx.cli import cli
+    from chatctx.synthetic import support_conversation
+
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text(json.dumps(support_conversation(16, seed=4)) + "\n")
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    try:
+        args = ["replay", str(logs), "--model", str(smollm2_path), "--budget", "300", "--json"]
+        before = metric(server.url, "llamacpp:prompt_tokens_total")
+        live = CliRunner().invoke(cli, [*args, "--backend", server.url])
+        assert live.exit_code == 0, live.output
+        turns = json.loads(live.output)["turns"]
+        evaluated = [t["evaluated_tokens"] for t in turns]
+        assert metric(server.url, "llamacpp:prompt_tokens_total") - before == sum(evaluated)
+        assert sum(t["evicted"] for t in turns) >= 2
+        dry = CliRunner().invoke(cli, [*args, "--dry-run", "--simulate", "llama-server"])
+        assert dry.exit_code == 0, dry.output
+        assert [t["evaluated_tokens"] for t in json.loads(dry.output)["turns"]] == evaluated
+    finally:
+        server.stop()

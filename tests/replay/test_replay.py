@@ -366,3 +366,30 @@ def test_llm_summaries_are_written_between_turns_and_across_conversations(
         assert evicting, "no turn evicted"
         # The turn after each eviction took the summary of what was evicted.
         assert all(turns[i + 1].summarized > 0 for i in evicting)
+
+
+def test_replay_cli_layout_and_simulated_llama_server(tiny_llama3_path: Path) -> None:
+    # "auto" is the layout the simulated cache keeps best: summary-first for the engine,
+    # append for llama-server (the same figures as naming it); on llama-server's walk the
+    # append layout evaluates less than the summary in front (which hides the kept turns).
+    text = json.dumps(support_conversation(40, seed=6)) + "\n"
+    base = ["replay", "-", "--dry-run", "--model", str(tiny_llama3_path), "--budget", "300"]
+
+    def evaluated(*extra: str) -> list[int]:
+        result = CliRunner().invoke(cli, [*base, *extra, "--json"], input=text)
+        assert result.exit_code == 0, result.output
+        return [t["evaluated_tokens"] for t in json.loads(result.output)["turns"]]
+
+    engine = evaluated()
+    assert evaluated("--layout", "summary-first") == engine
+    server = evaluated("--simulate", "llama-server")
+    assert server == evaluated("--simulate", "llama-server", "--layout", "append")
+    front = evaluated("--simulate", "llama-server", "--layout", "summary-first")
+    assert sum(server) < sum(front)
+    for args, message in (
+        (["--simulate", "llama-server"], "--simulate is for --dry-run"),
+        (["--dry-run", "--backend", "http://127.0.0.1:9"], "--backend runs on a llama-server"),
+    ):
+        args = ["replay", "-", "--model", str(tiny_llama3_path), *args]
+        result = CliRunner().invoke(cli, args, input=text)
+        assert result.exit_code == 1 and message in result.output, result.output
