@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -238,3 +240,48 @@ def test_a_silent_server_is_a_timeout(
         finally:
             impatient.release(lease)
     assert caught.value.reason == "timeout"
+
+
+def test_a_server_loading_its_model_is_unavailable_loading(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    # The model is a named pipe nobody writes yet: the server answers HTTP but stays in
+    # "Loading model" (503) for as long as the test wants, which a real model loads too fast
+    # to show. The backend says so, at start and in health checks, as BackendUnavailable
+    # with reason "loading"; once the load fails the server is gone: "refused".
+    pipe = tmp_path / "model.gguf"
+    os.mkfifo(pipe)
+    loading = LlamaServerProcess(
+        pipe, slots=2, n_ctx=256, binary=llama_server_binary, extra_args=("--load-mode", "none")
+    )
+    loading.start(wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the port opens after a moment
+            try:
+                httpx.get(f"{loading.url}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "llama-server never listened"
+                time.sleep(0.1)
+        with pytest.raises(BackendUnavailable) as caught:
+            LlamaServerBackend(loading.url, model=smollm2_path)
+        assert caught.value.reason == "loading"
+        assert "503" in str(caught.value) or "load" in str(caught.value).lower()
+        # A pipe is no file to load from (llama.cpp seeks): it gives up once fed the model.
+        assert loading.process is not None
+        data = smollm2_path.read_bytes()
+        while loading.process.poll() is None:
+            assert time.monotonic() < deadline + 60, "llama-server kept loading"
+            try:  # whenever the server has the pipe open for reading
+                fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.05)
+                continue
+            with contextlib.suppress(OSError), os.fdopen(fd, "wb") as writer:
+                writer.write(data)
+        with pytest.raises(BackendUnavailable) as gone:
+            LlamaServerBackend(loading.url, model=smollm2_path)
+        assert gone.value.reason == "refused"
+    finally:
+        loading.stop()
