@@ -193,6 +193,8 @@ class Engine(PooledLeases, Closeable):
             )
             self._stack.callback(self.context.close)  # LIFO: context before model
             self.kv_cells_total = self.context.n_ctx
+            # Known once: asked of a closed engine too (a router picking a layout).
+            self._cache_edits = "in-place" if self.context.can_shift() else "prefix"
             self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
             self._codec: PromptCodec | None = None
             self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
@@ -280,7 +282,7 @@ class Engine(PooledLeases, Closeable):
     def cache_edits(self) -> str:
         """ "in-place": evicted spans are removed and kept runs shifted (a model whose cache
         cannot shift positions re-evaluates instead: "prefix")."""
-        return "in-place" if self.context.can_shift() else "prefix"
+        return self._cache_edits
 
     @property
     def side_room(self) -> int:

@@ -1,0 +1,97 @@
+"""Where the prefill goes beyond the new tokens: recall, summary extensions, compactions.
+
+    python bench/memory_cost.py [--budget 1024] [--chats 40] [--simulate llama-server|engine]
+        [--no-recall] [--probes bench/facts/final_probes.jsonl.gz]
+
+Dry replays (no model) of the probe set's chats through the simulated cache of the engine or
+of llama-server (``DryBackend``; the live rows of ``llama_server_bench.py peers`` reproduce
+their evaluated tokens). Each turn's evaluated tokens are set against what is new in it (the
+full conversation's new tokens and the recalled messages), and the excess is split by what
+the turn did: evicted, changed the summary (an extension or a rewrite), recalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+from typing import Any
+
+import recall_bench as rb
+from llama_server_bench import RESERVE, full_messages, new_tokens
+
+from chatctx.context import BuildResult, ContextBuilder
+from chatctx.engine import default_model_path
+from chatctx.engine._codec import open_codec
+from chatctx.engine._memory import pad256
+from chatctx.replay import DryBackend, ReplayConfig, Replayer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--chats", type=int, default=40)
+    parser.add_argument("--simulate", choices=["engine", "llama-server"], default="llama-server")
+    parser.add_argument("--no-recall", action="store_true")
+    parser.add_argument("--probes", type=Path, default=rb.HERE / "facts" / "final_probes.jsonl.gz")
+    args = parser.parse_args()
+    model = default_model_path()
+    codec = open_codec(model)
+    conversations, _ = rb.load(args.probes)
+    totals: collections.Counter[str] = collections.Counter()
+    builds: list[tuple[BuildResult, str | None]] = []
+    original = ContextBuilder.build
+
+    def recording(self: ContextBuilder, **kwargs: Any) -> BuildResult:
+        state = kwargs.get("state")
+        built = original(self, **kwargs)
+        builds.append((built, state.summary if state is not None else None))
+        return built
+
+    ContextBuilder.build = recording  # type: ignore[method-assign]
+    edits = "in-place" if args.simulate == "engine" else "deletions"
+    config = ReplayConfig(
+        mode="teacher", budget=args.budget, reserve=RESERVE, recall=not args.no_recall
+    )
+    for c in conversations[: args.chats]:
+        turns: list[Any] = []
+        builds.clear()
+        with (
+            DryBackend(
+                codec, n_ctx=pad256(args.budget + RESERVE), model_path=model, cache_edits=edits
+            ) as dry,
+            Replayer(config, engine=dry) as replayer,
+        ):
+            replayer.replay(c, on_turn=turns.append)
+        totals["new"] += sum(new_tokens(codec, full_messages(c)))
+        for turn, (built, before) in zip(turns, builds[-len(turns) :], strict=True):
+            plan = built.plan
+            kind = []
+            if plan.evicted:
+                kind.append("evicting")
+            if plan.summary_changed:
+                summary = built.state.summary or ""
+                extended = bool(before) and summary.startswith(before or "")
+                kind.append("summary extended" if extended else "summary rewritten")
+            if plan.recalled_ids:
+                kind.append("recalling")
+            label = ", ".join(kind) or "plain"
+            totals["evaluated"] += turn.evaluated_tokens
+            totals["recalled"] += plan.sections["recall"]
+            totals[f"turns: {label}"] += 1
+            totals[f"excess: {label}"] += turn.evaluated_tokens - turn.new_tokens
+    new, evaluated, recalled = totals["new"], totals["evaluated"], totals["recalled"]
+    print(
+        f"{args.chats} chats, budget {args.budget}, {args.simulate} cache, recall "
+        f"{'off' if args.no_recall else 'on'}: evaluated {evaluated:,}, new {new:,}, recalled "
+        f"{recalled:,}; amplification {evaluated / new:.2f}, recalled as new "
+        f"{evaluated / (new + recalled):.2f}"
+    )
+    print("| turns | count | evaluated beyond their new and recalled tokens |\n|---|---|---|")
+    labels = sorted({k.split(": ", 1)[1] for k in totals if k.startswith("turns: ")})
+    for label in labels:
+        print(f"| {label} | {totals['turns: ' + label]:,} | {totals['excess: ' + label]:,} |")
+
+
+if __name__ == "__main__":
+    main()
