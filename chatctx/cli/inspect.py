@@ -68,8 +68,8 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
         )
         console.print("  " + " · ".join(f"{k} {v}" for k, v in sections.items()))
         console.print(
-            f"  kept {len(plan.get('kept_ids', []))} messages · prompt hash "
-            f"{plan.get('prompt_hash')}"
+            f"  kept {len(plan.get('kept_ids', []))} messages · layout "
+            f"{plan.get('layout', 'summary-first')} · prompt hash {plan.get('prompt_hash')}"
         )
         recalled = plan.get("recalled_ids") or []
         if recalled:
@@ -91,9 +91,16 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
     else:
         console.print("no turns yet")
     if state.summary:
+        parts = state.summary.blocks
+        where = (
+            f", {len(parts)} parts in the append layout, each after message position "
+            + ", ".join("(front)" if after < 0 else str(after) for _, after in parts)
+            if len(parts) > 1
+            else ""
+        )
         console.print(
             f"\n[bold]summary[/bold] (version {len(summaries)}, "
-            f"{state.summary.token_count} tokens):\n{state.summary.content}"
+            f"{state.summary.token_count} tokens{where}):\n{state.summary.content}"
         )
     if state.pending_ids:
         console.print(

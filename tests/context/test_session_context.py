@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from chatctx import ChatSession, ContextBudgetError, Engine, Store
 from chatctx.cli import cli
-from chatctx.context import SUMMARY_HEADER
+from chatctx.context import SUMMARY_HEADER, SUMMARY_MORE
 from chatctx.store import Message
 from tests.llama_counters import counted, prime_counters
 
@@ -186,6 +186,32 @@ def test_inspect_shows_plan_and_evictions(db_url: str, engine: Engine) -> None:
     assert "current plan" in text.output and "evictions" in text.output
     missing = CliRunner().invoke(cli, ["inspect", "nope", "--db", db_url])
     assert missing.exit_code == 1 and "no conversation" in missing.output
+
+
+def test_inspect_shows_the_summary_parts_of_the_append_layout(db_url: str, engine: Engine) -> None:
+    # The engine edits in place, so "append" is asked for by name here. The parts inspect
+    # lists are the summary messages the next prompt holds, one each (14 turns: two
+    # evictions extend the summary after the last compaction).
+    with ChatSession.open(
+        db_url,
+        conversation_id="c",
+        model=engine,
+        settings=SMALL,
+        context={"budget": 300, "layout": "append"},
+    ) as chat:
+        chat_many(chat, 14)
+        sent = [
+            m
+            for m in chat.plan("x").messages
+            if m["content"].startswith((SUMMARY_HEADER, SUMMARY_MORE))
+        ]
+    report = json.loads(CliRunner().invoke(cli, ["inspect", "c", "--db", db_url, "--json"]).output)
+    assert report["current_plan"]["layout"] == "append"
+    blocks = report["summary"]["blocks"]
+    assert len(blocks) == len(sent) >= 2, blocks
+    text = CliRunner().invoke(cli, ["inspect", "c", "--db", db_url]).output
+    assert "layout append" in text
+    assert f"{len(blocks)} parts in the append layout" in text
 
 
 def test_a_state_another_writer_saved_meanwhile_is_built_on_not_lost(
