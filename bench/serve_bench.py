@@ -54,8 +54,18 @@ def question(client: int, turn: int) -> str:
     return f"Customer {client} asks, for the {turn}th time: where is my parcel 10{client}?"
 
 
-def figures(ttfts: list[float], evaluated: list[int], elapsed: float, turns: int) -> dict[str, Any]:
-    return {
+def figures(
+    ttfts: list[float],
+    evaluated: list[int],
+    elapsed: float,
+    turns: int,
+    records: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The run's figures; ``records`` (each turn's record: ``ttft_ms``, ``swap_in``, in the
+    order of ``ttfts``) split TTFT into the session's own (from its turn's start, slot wait
+    included) and the rest (HTTP, the request's checks and writes, the worker thread, the
+    first chunk's way out)."""
+    out = {
         "turns": turns,
         "elapsed_s": round(elapsed, 2),
         "turns_per_s": round(turns / elapsed, 3),
@@ -63,6 +73,20 @@ def figures(ttfts: list[float], evaluated: list[int], elapsed: float, turns: int
         "ttft_p95_ms": round(percentile(ttfts, 95) or 0, 1),
         "evaluated_per_turn": round(sum(evaluated) / len(evaluated), 1) if evaluated else None,
     }
+    pairs = [
+        (ttft, float(r["ttft_ms"]))
+        for ttft, r in zip(ttfts, records or (), strict=False)
+        if r.get("ttft_ms") is not None
+    ]
+    if pairs:
+        session = [inside for _, inside in pairs]
+        outside = [ttft - inside for ttft, inside in pairs]
+        out["session_ttft_p50_ms"] = round(percentile(session, 50) or 0, 1)
+        out["session_ttft_p95_ms"] = round(percentile(session, 95) or 0, 1)
+        out["outside_session_p50_ms"] = round(percentile(outside, 50) or 0, 1)
+        out["outside_session_p95_ms"] = round(percentile(outside, 95) or 0, 1)
+        out["swapped_in"] = sum(1 for r in records or () if r.get("swap_in"))
+    return out
 
 
 # over HTTP ---------------------------------------------------------------------------------
@@ -100,6 +124,7 @@ async def http_load(
 ) -> dict[str, Any]:
     ttfts: list[float] = []
     evaluated: list[int] = []
+    records: list[dict[str, Any]] = []
     # llama-server closes a kept-alive connection after a few idle seconds, which a loaded
     # machine reaches between two turns: its clients open a connection per turn.
     limits = httpx.Limits(
@@ -120,10 +145,12 @@ async def http_load(
                 history += [new, {"role": "assistant", "content": reply}]
                 ttfts.append(ttft)
                 evaluated.append(int(extension["evaluated_tokens"]))
+                records.append(extension)
 
     started = time.perf_counter()
     await asyncio.gather(*(customer(n) for n in range(args.clients)))
-    return figures(ttfts, evaluated, time.perf_counter() - started, args.clients * args.turns)
+    elapsed = time.perf_counter() - started
+    return figures(ttfts, evaluated, elapsed, args.clients * args.turns, records)
 
 
 def free_port() -> int:
@@ -167,6 +194,7 @@ def server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
 async def in_process(model: Path, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     ttfts: list[float] = []
     evaluated: list[int] = []
+    records: list[dict[str, Any]] = []
     with (
         Engine.load(model, n_ctx=args.n_ctx, slots=args.slots) as engine,
         Store(f"sqlite:///{folder / 'inprocess.db'}") as store,
@@ -196,16 +224,71 @@ async def in_process(model: Path, args: argparse.Namespace, folder: Path) -> dic
                     assert first is not None and session.last_reply is not None
                     ttfts.append(first)
                     evaluated.append(session.last_reply.usage.evaluated_tokens)
+                    record = session.last_reply.turn
+                    if record is not None:
+                        records.append({"ttft_ms": record.ttft_ms, "swap_in": record.swap_in})
             finally:
                 await asyncio.to_thread(session.close)
 
         started = time.perf_counter()
         await asyncio.gather(*(customer(n) for n in range(args.clients)))
         elapsed = time.perf_counter() - started
-    return figures(ttfts, evaluated, elapsed, args.clients * args.turns)
+    return figures(ttfts, evaluated, elapsed, args.clients * args.turns, records)
 
 
 # main --------------------------------------------------------------------------------------
+
+
+def load_average() -> str | None:
+    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: say how busy it was)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
+
+def _busy_ticks() -> int:
+    """Clock ticks every core spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]
+
+
+def _tree_ticks(root: int) -> dict[int, int]:
+    """Clock ticks (user + system) of ``root`` and its descendants, by pid."""
+    stats: dict[int, tuple[int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    ours = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (parent, _) in stats.items():
+            if parent in ours and pid not in ours:
+                ours.add(pid)
+                grew = True
+    return {pid: stats[pid][1] for pid in ours if pid in stats}
+
+
+@contextlib.contextmanager
+def others_cores(into: dict[str, Any]) -> Any:
+    """Sets ``into["others_cores"]``: the cores other processes kept busy during the block.
+
+    The machine is shared: another job's llama.cpp threads on the same cores slow this
+    run's by several times (both spin at barriers), which the load average hides.
+    """
+    try:
+        busy, ours, started = _busy_ticks(), _tree_ticks(os.getpid()), time.monotonic()
+    except OSError:  # no /proc
+        yield
+        return
+    yield
+    elapsed = time.monotonic() - started
+    mine = sum(t - ours.get(pid, 0) for pid, t in _tree_ticks(os.getpid()).items())
+    ticks = _busy_ticks() - busy - mine
+    into["others_cores"] = round(ticks / os.sysconf("SC_CLK_TCK") / elapsed, 2)
 
 
 def tiny_model() -> Path:
@@ -286,24 +369,32 @@ def main() -> None:
     results["llama_server_binary"] = str(args.llama_server) if args.llama_server else None
     results["llama_server"] = None
     results.pop("json")
+    results["load_average_before"] = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in ("serve", "stateless"):
             if name not in runs:
                 continue
             (folder / name).mkdir()
-            with server(model, args, folder / name) as url:
+            machine: dict[str, Any] = {}
+            with server(model, args, folder / name) as url, others_cores(machine):
                 results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
+            results[name] |= machine | {"load_average": load_average()}
             print(name, results[name], flush=True)
         if args.llama_server is not None and "llama_server" in runs:
-            with llama_server(model, args, folder) as url:
+            machine = {}
+            with llama_server(model, args, folder) as url, others_cores(machine):
                 results["llama_server"] = asyncio.run(
                     http_load(url, args, stateful=False, keepalive=False)
                 )
+            results["llama_server"] |= machine | {"load_average": load_average()}
             print("llama_server", results["llama_server"], flush=True)
         if "in_process" in runs:
             os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
-            results["in_process"] = asyncio.run(in_process(model, args, folder))
+            machine = {}
+            with others_cores(machine):
+                results["in_process"] = asyncio.run(in_process(model, args, folder))
+            results["in_process"] |= machine | {"load_average": load_average()}
             print("in_process", results["in_process"], flush=True)
     results["ratios"] = ratios(results)
     print(json.dumps(results["ratios"], indent=2))
