@@ -199,6 +199,10 @@ async def in_process(model: Path, args: argparse.Namespace, folder: Path) -> dic
         Engine.load(model, n_ctx=args.n_ctx, slots=args.slots) as engine,
         Store(f"sqlite:///{folder / 'inprocess.db'}") as store,
     ):
+        # What serve builds before it reports ready (the codec, the sentence embedder), so
+        # that both runs time the same turns.
+        engine.codec()
+        engine.embedder()
 
         async def customer(n: int) -> None:
             session = await asyncio.to_thread(

@@ -15,12 +15,12 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from chatctx.backend import Backend, Codec, Lease, MemorySnapshot, ModelInfo, Stream, TextEmbedder
 from chatctx.config import ContextSettings, GenerationSettings, Settings
-from chatctx.errors import ConfigError
+from chatctx.errors import ChatctxError, ConfigError
 from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import APIError
 from chatctx.serve._metrics import ServeMetrics
@@ -178,6 +178,21 @@ def stateless_owner(tenant: str | None, opening: Sequence[tuple[str, str]]) -> s
     return f"stateless:{digest}"
 
 
+def warm_up(backend: Backend) -> None:
+    """Build what the first turn would otherwise build while a customer waits: the codec
+    (tiktoken's tables) and, when conversations recall by meaning by default, the sentence
+    embedder (converted to GGUF on first use, then loaded): seconds each on a small CPU."""
+    defaults = ContextSettings()
+    steps: list[tuple[str, Callable[[], object]]] = [("codec", backend.codec)]
+    if defaults.recall and defaults.recall_search != "words":
+        steps.append(("sentence embedder", backend.embedder))
+    for name, step in steps:
+        try:
+            step()
+        except ChatctxError as exc:  # the turns that need it get this error themselves
+            logger.warning("%s not ready ahead of the first turn: %s", name, exc)
+
+
 class Service:
     """The store, the backend, the sessions kept open, the limits and the drain state."""
 
@@ -225,6 +240,7 @@ class Service:
                     self.config.engine_options,
                     store=self.store,
                 )
+            warm_up(self.backend)
             self.loaded = True
             logger.info("serving %s", self.model_id)
         except Exception as exc:

@@ -4,11 +4,13 @@ the conversations endpoints, metrics and the access log; the database is the ora
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from chatctx.engine._embedder import EMBEDDER_FILE
 from chatctx.store import parse_line
 from tests.serve.conftest import ServerProcess
 
@@ -113,6 +115,18 @@ def test_models_health_ready(tiny_server: ServerProcess) -> None:
     assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
     ready = httpx.get(f"{tiny_server.url}/ready").json()
     assert ready["ready"] is True and ready["db_revision"] == ready["db_head"] is not None
+
+
+def test_ready_only_once_the_first_turns_work_is_done(
+    tiny_llama3_path: Path, start_server: Any, tmp_path: Path
+) -> None:
+    # Recall by meaning is on by default: the sentence embedder is converted into the home
+    # (seconds) before /ready says 200, not in the first customer's turn.
+    home = tmp_path / "fresh-home"
+    server = start_server(tiny_llama3_path, env={"CHATCTX_HOME": str(home), "CHATCTX_EMBEDDER": ""})
+    assert (home / "models" / EMBEDDER_FILE).is_file()
+    reply = chat(server, {"messages": [user("hello")], "conversation": "c1", "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
 
 
 def test_stop_strings_end_the_reply_and_the_stored_message(tiny_server: ServerProcess) -> None:
