@@ -38,7 +38,7 @@ from chatctx.serve._schemas import (
 )
 from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateless_owner
 from chatctx.serve._tenants import Tenant
-from chatctx.serve._turn import TurnRun
+from chatctx.serve._turn import Cut, TurnRun
 from chatctx.session import ChatSession
 
 __all__ = ["chat_completion"]
@@ -128,7 +128,7 @@ class _Turn:
     request: ChatCompletionRequest
     session: ChatSession
     run: TurnRun
-    cancel: asyncio.Event
+    cancel: Cut
     conversation: str | None  # the client's id; None when stateless
     stored_id: str
     log: dict[str, Any]

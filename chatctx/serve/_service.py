@@ -25,6 +25,7 @@ from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import APIError
 from chatctx.serve._metrics import ServeMetrics
 from chatctx.serve._tenants import ConversationLocks, Tenancy, TurnLimiter
+from chatctx.serve._turn import Cut
 from chatctx.session import ChatSession
 from chatctx.store import Store
 
@@ -219,7 +220,7 @@ class Service:
         self.draining = False
         self.started_at = time.time()
         self.sessions: OrderedDict[str, ChatSession] = OrderedDict()
-        self.cancels: set[asyncio.Event] = set()  # one per turn in flight: set to cut it
+        self.cancels: set[Cut] = set()  # one per turn in flight: set to cut it
         self._idle = asyncio.Event()
         self._idle.set()
         # The last turns served, newest last: what the cache page charts.
@@ -290,13 +291,13 @@ class Service:
 
     # turns in flight ----------------------------------------------------------------------
 
-    def turn_started(self) -> asyncio.Event:
-        cancel = asyncio.Event()
+    def turn_started(self) -> Cut:
+        cancel = Cut()
         self.cancels.add(cancel)
         self._idle.clear()
         return cancel
 
-    def turn_ended(self, cancel: asyncio.Event) -> None:
+    def turn_ended(self, cancel: Cut) -> None:
         self.cancels.discard(cancel)
         if not self.cancels:
             self._idle.set()
