@@ -404,13 +404,14 @@ class ChatSession(Closeable):
         """Whether summaries can run on a sequence of their own (the engine's reserved one)."""
         return self.engine.side_room > 0
 
-    def budget(self) -> tuple[int, int]:
-        """(prompt token budget, tokens reserved for the reply).
+    def budget(self, settings: ConversationSettings | None = None) -> tuple[int, int]:
+        """(prompt token budget, tokens reserved for the reply) under ``settings`` (default:
+        the stored ones, read now).
 
         The budget is what one slot holds less the reply's reserve; summaries have cells of
         their own (the engine's summary room), so they never take from it.
         """
-        stored = self.conversation_settings()
+        stored = settings if settings is not None else self.conversation_settings()
         return self._budget(stored.context, stored.generation)
 
     def _budget(self, settings: ContextSettings, generation: GenerationSettings) -> tuple[int, int]:

@@ -106,17 +106,25 @@ def _generation(request: ChatCompletionRequest) -> GenerationSettings:
 
 
 def _apply(session: ChatSession, plan: _Plan, generation: GenerationSettings) -> None:
-    """Store the request's settings, system prompt and earlier messages (a worker thread)."""
+    """Store the request's settings, system prompt and earlier messages (a worker thread).
+
+    One read, and one write for what changed: the conversation is read again by the turn
+    itself, and another process may change it meanwhile, so nothing is kept from here.
+    """
     conversation = session.store.get_conversation(session.conversation_id)
     stored = ConversationSettings.parse(conversation.settings)
-    if stored.generation != generation:
-        merged = ConversationSettings(generation=generation, context=stored.context)
-        session.store.update_conversation(session.conversation_id, settings=merged.to_json())
-    if plan.system_prompt is not None and plan.system_prompt != conversation.system_prompt:
-        session.store.update_conversation(session.conversation_id, system_prompt=plan.system_prompt)
+    merged = ConversationSettings(generation=generation, context=stored.context)
+    settings = merged.to_json() if stored.generation != generation else None
+    system_prompt = plan.system_prompt
+    if system_prompt == conversation.system_prompt:
+        system_prompt = None
+    if settings is not None or system_prompt is not None:
+        session.store.update_conversation(
+            session.conversation_id, settings=settings, system_prompt=system_prompt
+        )
     if plan.earlier:
         session.store.add_messages(session.conversation_id, plan.earlier)
-    session.budget()  # a reply limit that leaves no room for a prompt: ConfigError now
+    session.budget(merged)  # a reply limit that leaves no room for a prompt: ConfigError now
 
 
 @dataclass
