@@ -371,11 +371,12 @@ async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:
             yield b"data: [DONE]\n\n"
             return
         await turn.close()
-        yield chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
+        # The last events in one write: the same bytes, one trip through the ASGI stack.
+        last = chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
         options = turn.request.stream_options
         if options is not None and options.include_usage:
-            yield chunk(usage=turn.usage())
-        yield b"data: [DONE]\n\n"
+            last += chunk(usage=turn.usage())
+        yield last + b"data: [DONE]\n\n"
     finally:
         await turn.close()
 
