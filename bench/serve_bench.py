@@ -14,10 +14,16 @@ streamed, ``--max-tokens`` per reply):
 
 Reported: throughput (turns/s), TTFT p50/p95 and their ratios serve / in-process (the HTTP
 overhead), and prompt tokens evaluated per turn, stateless / stateful and llama-server /
-stateful (chatctx's figure from the final chunk's ``chatctx`` object).
+stateful (chatctx's figure from the final chunk's ``chatctx`` object). Each run also says
+how much of its TTFT was the session's own (its turn record's ``ttft_ms``: the slot wait,
+the build, the prefill) and how much came before and after it (``outside_session``: HTTP,
+the request's checks and writes, the worker thread, the first chunk's way out), the load
+average, and the cores other processes kept busy meanwhile (``others_cores``): on a shared
+machine a run beside another job's llama.cpp can be several times slower, whatever it runs.
+``--rounds N`` repeats the runs alternately and reports the median ratios as well.
 
     python bench/serve_bench.py [--model GGUF] [--clients 32] [--turns 10] [--json out.json]
-        [--llama-server BIN] [--runs serve,stateless,in_process,llama_server]
+        [--llama-server BIN] [--runs serve,stateless,in_process,llama_server] [--rounds 1]
 
 Without ``--model`` the tiny random Llama 3 (``chatctx.testing``) is written once to
 ``$CHATCTX_HOME/bench/tiny-llama3.gguf``.
@@ -32,6 +38,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -349,6 +356,40 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def one_round(
+    model: Path, args: argparse.Namespace, runs: set[str], folder: Path
+) -> dict[str, Any]:
+    """Every run asked for, one after the other, each in a fresh folder and process."""
+    results: dict[str, Any] = {"llama_server": None}
+    for name in ("serve", "stateless"):
+        if name not in runs:
+            continue
+        (folder / name).mkdir()
+        machine: dict[str, Any] = {}
+        with server(model, args, folder / name) as url, others_cores(machine):
+            results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
+        results[name] |= machine | {"load_average": load_average()}
+        print(name, results[name], flush=True)
+    if args.llama_server is not None and "llama_server" in runs:
+        machine = {}
+        with llama_server(model, args, folder) as url, others_cores(machine):
+            results["llama_server"] = asyncio.run(
+                http_load(url, args, stateful=False, keepalive=False)
+            )
+        results["llama_server"] |= machine | {"load_average": load_average()}
+        print("llama_server", results["llama_server"], flush=True)
+    if "in_process" in runs:
+        os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
+        machine = {}
+        with others_cores(machine):
+            results["in_process"] = asyncio.run(in_process(model, args, folder))
+        results["in_process"] |= machine | {"load_average": load_average()}
+        print("in_process", results["in_process"], flush=True)
+    results["ratios"] = ratios(results)
+    print(json.dumps(results["ratios"], indent=2), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="GGUF (default: tiny Llama 3)")
@@ -365,43 +406,34 @@ def main() -> None:
         "--runs", default="serve,stateless,in_process,llama_server", help="which runs"
     )
     parser.add_argument("--threads", type=int, default=None, help="llama-server -t")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="the runs this often, alternating (the median ratios are reported too): "
+        "other jobs come and go on a shared machine",
+    )
     args = parser.parse_args()
     runs = set(args.runs.split(","))
     model = args.model or tiny_model()
-    results: dict[str, Any] = {"model": model.name, **{k: v for k, v in vars(args).items()}}
+    results: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "json"}
     results["model"] = model.name
     results["llama_server_binary"] = str(args.llama_server) if args.llama_server else None
-    results["llama_server"] = None
-    results.pop("json")
     results["load_average_before"] = load_average()
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        for name in ("serve", "stateless"):
-            if name not in runs:
-                continue
-            (folder / name).mkdir()
-            machine: dict[str, Any] = {}
-            with server(model, args, folder / name) as url, others_cores(machine):
-                results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
-            results[name] |= machine | {"load_average": load_average()}
-            print(name, results[name], flush=True)
-        if args.llama_server is not None and "llama_server" in runs:
-            machine = {}
-            with llama_server(model, args, folder) as url, others_cores(machine):
-                results["llama_server"] = asyncio.run(
-                    http_load(url, args, stateful=False, keepalive=False)
-                )
-            results["llama_server"] |= machine | {"load_average": load_average()}
-            print("llama_server", results["llama_server"], flush=True)
-        if "in_process" in runs:
-            os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
-            machine = {}
-            with others_cores(machine):
-                results["in_process"] = asyncio.run(in_process(model, args, folder))
-            results["in_process"] |= machine | {"load_average": load_average()}
-            print("in_process", results["in_process"], flush=True)
-    results["ratios"] = ratios(results)
-    print(json.dumps(results["ratios"], indent=2))
+        for number in range(args.rounds):
+            folder = Path(tmp) / f"round{number}"
+            folder.mkdir()
+            rounds.append(one_round(model, args, runs, folder))
+    results |= rounds[-1]  # the last round's runs and ratios at the top, as with one round
+    if len(rounds) > 1:
+        results["rounds"] = rounds
+        results["median_ratios"] = {
+            key: round(statistics.median(r["ratios"][key] for r in rounds), 3)
+            for key in rounds[0]["ratios"]
+        }
+        print("median", json.dumps(results["median_ratios"], indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
