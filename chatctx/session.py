@@ -540,14 +540,22 @@ class ChatSession(Closeable):
             pass
         return _stored(replies)
 
-    def astream(self, text: str) -> AsyncIterator[str]:
+    def astream(self, text: str, *, before: Callable[[], None] | None = None) -> AsyncIterator[str]:
         """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
 
         Leaving the loop early ends the reply (stored as ``partial``), as with ``stream``.
+        ``before`` runs first in the turn's worker thread, before the turn begins (a server
+        stores there what its request adds: no thread hop of its own); what it raises is
+        raised here, and the turn is then not started.
         """
-        return self._astream(text, None)
+        return self._astream(text, None, before)
 
-    async def _astream(self, text: str, replies: list[Reply] | None) -> AsyncIterator[str]:
+    async def _astream(
+        self,
+        text: str,
+        replies: list[Reply] | None,
+        before: Callable[[], None] | None = None,
+    ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         stop = threading.Event()
@@ -557,6 +565,8 @@ class ChatSession(Closeable):
 
         def work() -> None:
             try:
+                if before is not None:
+                    before()
                 stream = self._open_stream(text, replies)
                 try:
                     for chunk in stream:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -106,7 +107,8 @@ def _generation(request: ChatCompletionRequest) -> GenerationSettings:
 
 
 def _apply(session: ChatSession, plan: _Plan, generation: GenerationSettings) -> None:
-    """Store the request's settings, system prompt and earlier messages (a worker thread).
+    """Store the request's settings, system prompt and earlier messages (in the turn's worker
+    thread, before the turn begins).
 
     One read, and one write for what changed: the conversation is read again by the turn
     itself, and another process may change it meanwhile, so nothing is kept from here.
@@ -229,7 +231,8 @@ class _Turn:
 async def _open_turn(
     service: Service, tenant: Tenant, request: ChatCompletionRequest, log: dict[str, Any]
 ) -> _Turn:
-    """Check limits, take locks, store what the request adds and start the reply."""
+    """Check limits, take locks and start the reply (its worker thread first stores what the
+    request adds: errors there reach the first ``next_delta``, before any output)."""
     _, backend = service.require_ready()
     limits = service.config.limits
     if len(request.messages) > limits.max_messages:
@@ -285,12 +288,18 @@ async def _open_turn(
                 await asyncio.to_thread(ephemeral.delete_conversation, stored_id)
 
             cleanup.append(drop_ephemeral)
-        await asyncio.to_thread(_apply, session, plan, generation)
     except BaseException:
         await unwind()
         raise
     cancel = service.turn_started()
-    run = TurnRun(session, plan.text, stops=request.stop_list(), deadline=deadline, cancel=cancel)
+    run = TurnRun(
+        session,
+        plan.text,
+        stops=request.stop_list(),
+        deadline=deadline,
+        cancel=cancel,
+        before=functools.partial(_apply, session, plan, generation),
+    )
     return _Turn(
         service=service,
         tenant=tenant,

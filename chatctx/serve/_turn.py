@@ -74,13 +74,15 @@ class TurnRun:
         stops: list[str],
         deadline: float,
         cancel: Cut,
+        before: Callable[[], None] | None = None,
     ) -> None:
         self.session = session
         self.stops = stops
         self.deadline = deadline  # loop.time() when the reply is cut
         self.cancel = cancel  # set when the server drains
         self._before = session.last_reply
-        self._stream: AsyncIterator[str] = session.astream(text)
+        # ``before`` (storing what the request adds) runs in the turn's own worker thread
+        self._stream: AsyncIterator[str] = session.astream(text, before=before)
         self.raw = ""  # what the model wrote (for a stop: up to it)
         self.sent = 0  # characters of ``raw`` handed out
         self.cut: str | None = None  # "stop" | "timeout" | "drain" | "gone"

@@ -77,6 +77,21 @@ def assert_error(
         ({"messages": [user("hi")] * 65}, "array_above_max_length", "messages"),
         ({"messages": [user("hi")], "max_tokens": 600}, "invalid_value", None),
         (
+            {"messages": [user("hi")], "max_tokens": 600, "conversation": "no-room"},
+            "invalid_value",
+            None,
+        ),
+        (
+            {
+                "messages": [user("hi")],
+                "max_tokens": 600,
+                "conversation": "no-room",
+                "stream": True,
+            },
+            "invalid_value",
+            None,
+        ),
+        (
             {"messages": [user("word " * 3000)], "conversation": "too-long"},
             "context_length_exceeded",
             "messages",
@@ -88,9 +103,9 @@ def test_bad_requests_get_openai_errors(
 ) -> None:
     response = chat(tiny_server, body)
     assert_error(response, 400, code, param)
-    if code == "context_length_exceeded":
+    if body.get("conversation") in ("too-long", "no-room"):
         with tiny_server.store() as store:  # nothing was stored for the refused turn
-            assert store.messages("too-long") == []
+            assert store.messages(body["conversation"]) == []
 
 
 def test_transport_errors(tiny_server: ServerProcess) -> None:
