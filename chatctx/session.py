@@ -582,6 +582,7 @@ class ChatSession(Closeable):
 
         worker = threading.Thread(target=work, name="chatctx-astream", daemon=True)
         worker.start()
+        ended = False
         try:
             while True:
                 kind, value = await chunks.get()
@@ -590,10 +591,12 @@ class ChatSession(Closeable):
                 elif kind == "error":
                     raise value
                 else:
+                    ended = True
                     break
         finally:
             stop.set()
-            await asyncio.to_thread(worker.join)
+            if not ended:  # left early: the worker is still ending the reply and storing it
+                await asyncio.to_thread(worker.join)
 
     def _open_stream(self, text: str, replies: list[Reply] | None) -> Generator[str, None, None]:
         requested = time.perf_counter()
