@@ -220,6 +220,9 @@ class Service:
         self.draining = False
         self.started_at = time.time()
         self.sessions: OrderedDict[str, ChatSession] = OrderedDict()
+        # Conversations of ``sessions`` that their first turn got or created (set from the
+        # turns' worker threads): later turns only read them.
+        self.opened: set[str] = set()
         self.cancels: set[Cut] = set()  # one per turn in flight: set to cut it
         self._idle = asyncio.Event()
         self._idle.set()
@@ -318,19 +321,21 @@ class Service:
 
     # sessions -----------------------------------------------------------------------------
 
-    async def session(self, stored_id: str) -> ChatSession:
-        """The open session of a conversation (the caller holds its lock)."""
+    async def session(self, stored_id: str) -> tuple[ChatSession, bool]:
+        """The open session of a conversation (the caller holds its lock), and whether its
+        conversation is still to be got or created: a new session is made here without the
+        database, and its first turn does that in its own worker thread (then adds the id to
+        ``opened``)."""
         session = self.sessions.get(stored_id)
         if session is not None and not session.closed:
             self.sessions.move_to_end(stored_id)
-            return session
+            return session, stored_id not in self.opened
         store, backend = self.require_ready()
-        session = await asyncio.to_thread(
-            ChatSession.open, store, conversation_id=stored_id, model=backend
-        )
+        self.opened.discard(stored_id)
+        session = ChatSession(store=store, engine=backend, conversation_id=stored_id)
         self.sessions[stored_id] = session
         await self._trim()
-        return session
+        return session, True
 
     async def _trim(self) -> None:
         over = len(self.sessions) - self.config.max_open_sessions
@@ -339,12 +344,12 @@ class Service:
                 break
             if self.locks.busy(stored_id):
                 continue
-            session = self.sessions.pop(stored_id)
+            await self.forget(stored_id)
             over -= 1
-            await asyncio.to_thread(session.close)
 
     async def forget(self, stored_id: str) -> None:
         session = self.sessions.pop(stored_id, None)
+        self.opened.discard(stored_id)
         if session is not None:
             await asyncio.to_thread(session.close)
 

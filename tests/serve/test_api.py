@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.engine._embedder import EMBEDDER_FILE
 from chatctx.store import parse_line
 from tests.serve.conftest import ServerProcess
@@ -191,6 +192,38 @@ def test_stop_strings_end_the_reply_and_the_stored_message(tiny_server: ServerPr
         streamed,
     ]
     assert all(m.status == "complete" for m in replies)
+
+
+def test_a_request_stores_its_settings_over_the_conversations(tiny_server: ServerProcess) -> None:
+    # A conversation the server never saw (another process made it): the request's system
+    # prompt and sampling replace the stored ones, its context settings stay.
+    old = ConversationSettings(
+        generation=GenerationSettings(temperature=0.3), context=ContextSettings(budget=300)
+    )
+    with tiny_server.store() as store:
+        store.create_conversation("made-elsewhere", system_prompt="old", settings=old.to_json())
+    system = {"role": "system", "content": "new"}
+    body = {"messages": [system, user("hi")], "temperature": 0.9, "max_tokens": 4}
+    assert chat(tiny_server, {**body, "conversation": "made-elsewhere"}).status_code == 200
+    # A new conversation with earlier messages: created with the request's settings.
+    earlier = [user("a"), {"role": "assistant", "content": "b"}, user("c")]
+    first = {"messages": [system, *earlier], "seed": 5, "max_tokens": 4, "conversation": "new-one"}
+    assert chat(tiny_server, first).status_code == 200
+    # Its next turn: no system message keeps the prompt; the sampling is the request's.
+    again = {"messages": [user("d")], "seed": 6, "max_tokens": 3, "conversation": "new-one"}
+    assert chat(tiny_server, again).status_code == 200
+    with tiny_server.store() as store:
+        elsewhere = store.get_conversation("made-elsewhere")
+        new_one = store.get_conversation("new-one")
+        contents = [m.content for m in store.messages("new-one")]
+    settings = ConversationSettings.parse(elsewhere.settings)
+    assert elsewhere.system_prompt == "new"
+    assert settings.generation == GenerationSettings(temperature=0.9, max_tokens=4)
+    assert settings.context == ContextSettings(budget=300)
+    settings = ConversationSettings.parse(new_one.settings)
+    assert new_one.system_prompt == "new"
+    assert settings == ConversationSettings(generation=GenerationSettings(seed=6, max_tokens=3))
+    assert contents[:3] == ["a", "b", "c"] and contents[4] == "d" and len(contents) == 6
 
 
 def test_stateless_requests_are_trimmed_and_not_kept(tiny_server: ServerProcess) -> None:
