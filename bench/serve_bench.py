@@ -43,10 +43,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+from _sse import SSEClient
 
 from chatctx.config import default_home
 from chatctx.engine import Engine
@@ -99,29 +101,39 @@ def figures(
 # over HTTP ---------------------------------------------------------------------------------
 
 
-async def sse_turn(
-    http: httpx.AsyncClient, body: dict[str, Any]
-) -> tuple[float, str, dict[str, Any]]:
+Client = SSEClient | httpx.AsyncClient
+
+
+async def _event_lines(client: Client, body: dict[str, Any]) -> AsyncIterator[str]:
+    if isinstance(client, SSEClient):
+        async for raw in client.lines("/v1/chat/completions", body):
+            yield raw.decode()
+        return
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            yield line
+
+
+async def sse_turn(client: Client, body: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
     """One streamed turn: (TTFT ms, reply, the final chunk's chatctx figures)."""
     started = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
     extension: dict[str, Any] = {}
-    async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if not chunk["choices"]:
-                continue
-            if first is None:
-                first = (time.perf_counter() - started) * 1000
-            parts.append(chunk["choices"][0]["delta"].get("content") or "")
-            extension = chunk.get("chatctx") or extension
-            if "timings" in chunk:  # llama-server's own figures, on its last chunk
-                extension = {**extension, "evaluated_tokens": chunk["timings"]["prompt_n"]}
+    async for line in _event_lines(client, {**body, "stream": True}):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if not chunk["choices"]:
+            continue
+        if first is None:
+            first = (time.perf_counter() - started) * 1000
+        parts.append(chunk["choices"][0]["delta"].get("content") or "")
+        extension = chunk.get("chatctx") or extension
+        if "timings" in chunk:  # llama-server's own figures, on its last chunk
+            extension = {**extension, "evaluated_tokens": chunk["timings"]["prompt_n"]}
     assert first is not None
     return first, "".join(parts), extension
 
@@ -138,25 +150,36 @@ async def http_load(
         max_connections=args.clients + 4, max_keepalive_connections=None if keepalive else 0
     )
 
-    async def customer(n: int) -> None:
+    async def customer(client: Client, n: int) -> None:
         history: list[dict[str, str]] = []
-        async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
-            for turn in range(args.turns):
-                new = {"role": "user", "content": question(n, turn)}
-                body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn}
-                if stateful:
-                    body |= {"messages": [new], "conversation": f"bench-{n}"}
-                else:
-                    body |= {"messages": [*history, new]}
-                ttft, reply, extension = await sse_turn(http, body)
-                history += [new, {"role": "assistant", "content": reply}]
-                ttfts.append(ttft)
-                evaluated.append(int(extension["evaluated_tokens"]))
-                records.append(extension)
+        for turn in range(args.turns):
+            new = {"role": "user", "content": question(n, turn)}
+            body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn}
+            if stateful:
+                body |= {"messages": [new], "conversation": f"bench-{n}"}
+            else:
+                body |= {"messages": [*history, new]}
+            ttft, reply, extension = await sse_turn(client, body)
+            history += [new, {"role": "assistant", "content": reply}]
+            ttfts.append(ttft)
+            evaluated.append(int(extension["evaluated_tokens"]))
+            records.append(extension)
 
-    started = time.perf_counter()
-    await asyncio.gather(*(customer(n) for n in range(args.clients)))
-    elapsed = time.perf_counter() - started
+    # Clients are made before the clock starts. httpx: one for every customer (one per
+    # customer built its own TLS context, about 50 ms of CPU each, while the first turns
+    # were being served on the same cores).
+    async with contextlib.AsyncExitStack() as stack:
+        clients: list[Client]
+        if args.client == "httpx":
+            shared = httpx.AsyncClient(base_url=url, timeout=900, limits=limits)
+            clients = [await stack.enter_async_context(shared)] * args.clients
+        else:
+            clients = [SSEClient(url, keepalive=keepalive) for _ in range(args.clients)]
+            for client in clients:
+                stack.push_async_callback(client.aclose)
+        started = time.perf_counter()
+        await asyncio.gather(*(customer(clients[n], n) for n in range(args.clients)))
+        elapsed = time.perf_counter() - started
     return figures(ttfts, evaluated, elapsed, args.clients * args.turns, records)
 
 
@@ -406,6 +429,13 @@ def main() -> None:
         "--runs", default="serve,stateless,in_process,llama_server", help="which runs"
     )
     parser.add_argument("--threads", type=int, default=None, help="llama-server -t")
+    parser.add_argument(
+        "--client",
+        choices=("lean", "httpx"),
+        default="lean",
+        help="the benchmark's HTTP client: lean (asyncio streams, bench/_sse.py) or httpx "
+        "(about 5 ms more CPU per turn on the cores the server shares)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
