@@ -14,10 +14,16 @@ streamed, ``--max-tokens`` per reply):
 
 Reported: throughput (turns/s), TTFT p50/p95 and their ratios serve / in-process (the HTTP
 overhead), and prompt tokens evaluated per turn, stateless / stateful and llama-server /
-stateful (chatctx's figure from the final chunk's ``chatctx`` object).
+stateful (chatctx's figure from the final chunk's ``chatctx`` object). Each run also says
+how much of its TTFT was the session's own (its turn record's ``ttft_ms``: the slot wait,
+the build, the prefill) and how much came before and after it (``outside_session``: HTTP,
+the request's checks and writes, the worker thread, the first chunk's way out), the load
+average, and the cores other processes kept busy meanwhile (``others_cores``): on a shared
+machine a run beside another job's llama.cpp can be several times slower, whatever it runs.
+``--rounds N`` repeats the runs alternately and reports the median ratios as well.
 
     python bench/serve_bench.py [--model GGUF] [--clients 32] [--turns 10] [--json out.json]
-        [--llama-server BIN] [--runs serve,stateless,in_process,llama_server]
+        [--llama-server BIN] [--runs serve,stateless,in_process,llama_server] [--rounds 1]
 
 Without ``--model`` the tiny random Llama 3 (``chatctx.testing``) is written once to
 ``$CHATCTX_HOME/bench/tiny-llama3.gguf``.
@@ -32,14 +38,17 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+from _sse import SSEClient
 
 from chatctx.config import default_home
 from chatctx.engine import Engine
@@ -54,8 +63,18 @@ def question(client: int, turn: int) -> str:
     return f"Customer {client} asks, for the {turn}th time: where is my parcel 10{client}?"
 
 
-def figures(ttfts: list[float], evaluated: list[int], elapsed: float, turns: int) -> dict[str, Any]:
-    return {
+def figures(
+    ttfts: list[float],
+    evaluated: list[int],
+    elapsed: float,
+    turns: int,
+    records: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The run's figures; ``records`` (each turn's record: ``ttft_ms``, ``swap_in``, in the
+    order of ``ttfts``) split TTFT into the session's own (from its turn's start, slot wait
+    included) and the rest (HTTP, the request's checks and writes, the worker thread, the
+    first chunk's way out)."""
+    out = {
         "turns": turns,
         "elapsed_s": round(elapsed, 2),
         "turns_per_s": round(turns / elapsed, 3),
@@ -63,34 +82,58 @@ def figures(ttfts: list[float], evaluated: list[int], elapsed: float, turns: int
         "ttft_p95_ms": round(percentile(ttfts, 95) or 0, 1),
         "evaluated_per_turn": round(sum(evaluated) / len(evaluated), 1) if evaluated else None,
     }
+    pairs = [
+        (ttft, float(r["ttft_ms"]))
+        for ttft, r in zip(ttfts, records or (), strict=False)
+        if r.get("ttft_ms") is not None
+    ]
+    if pairs:
+        session = [inside for _, inside in pairs]
+        outside = [ttft - inside for ttft, inside in pairs]
+        out["session_ttft_p50_ms"] = round(percentile(session, 50) or 0, 1)
+        out["session_ttft_p95_ms"] = round(percentile(session, 95) or 0, 1)
+        out["outside_session_p50_ms"] = round(percentile(outside, 50) or 0, 1)
+        out["outside_session_p95_ms"] = round(percentile(outside, 95) or 0, 1)
+        out["swapped_in"] = sum(1 for r in records or () if r.get("swap_in"))
+    return out
 
 
 # over HTTP ---------------------------------------------------------------------------------
 
 
-async def sse_turn(
-    http: httpx.AsyncClient, body: dict[str, Any]
-) -> tuple[float, str, dict[str, Any]]:
+Client = SSEClient | httpx.AsyncClient
+
+
+async def _event_lines(client: Client, body: dict[str, Any]) -> AsyncIterator[str]:
+    if isinstance(client, SSEClient):
+        async for raw in client.lines("/v1/chat/completions", body):
+            yield raw.decode()
+        return
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            yield line
+
+
+async def sse_turn(client: Client, body: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
     """One streamed turn: (TTFT ms, reply, the final chunk's chatctx figures)."""
     started = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
     extension: dict[str, Any] = {}
-    async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if not chunk["choices"]:
-                continue
-            if first is None:
-                first = (time.perf_counter() - started) * 1000
-            parts.append(chunk["choices"][0]["delta"].get("content") or "")
-            extension = chunk.get("chatctx") or extension
-            if "timings" in chunk:  # llama-server's own figures, on its last chunk
-                extension = {**extension, "evaluated_tokens": chunk["timings"]["prompt_n"]}
+    async for line in _event_lines(client, {**body, "stream": True}):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if not chunk["choices"]:
+            continue
+        if first is None:
+            first = (time.perf_counter() - started) * 1000
+        parts.append(chunk["choices"][0]["delta"].get("content") or "")
+        extension = chunk.get("chatctx") or extension
+        if "timings" in chunk:  # llama-server's own figures, on its last chunk
+            extension = {**extension, "evaluated_tokens": chunk["timings"]["prompt_n"]}
     assert first is not None
     return first, "".join(parts), extension
 
@@ -100,30 +143,44 @@ async def http_load(
 ) -> dict[str, Any]:
     ttfts: list[float] = []
     evaluated: list[int] = []
+    records: list[dict[str, Any]] = []
     # llama-server closes a kept-alive connection after a few idle seconds, which a loaded
     # machine reaches between two turns: its clients open a connection per turn.
     limits = httpx.Limits(
         max_connections=args.clients + 4, max_keepalive_connections=None if keepalive else 0
     )
 
-    async def customer(n: int) -> None:
+    async def customer(client: Client, n: int) -> None:
         history: list[dict[str, str]] = []
-        async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
-            for turn in range(args.turns):
-                new = {"role": "user", "content": question(n, turn)}
-                body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn}
-                if stateful:
-                    body |= {"messages": [new], "conversation": f"bench-{n}"}
-                else:
-                    body |= {"messages": [*history, new]}
-                ttft, reply, extension = await sse_turn(http, body)
-                history += [new, {"role": "assistant", "content": reply}]
-                ttfts.append(ttft)
-                evaluated.append(int(extension["evaluated_tokens"]))
+        for turn in range(args.turns):
+            new = {"role": "user", "content": question(n, turn)}
+            body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn}
+            if stateful:
+                body |= {"messages": [new], "conversation": f"bench-{n}"}
+            else:
+                body |= {"messages": [*history, new]}
+            ttft, reply, extension = await sse_turn(client, body)
+            history += [new, {"role": "assistant", "content": reply}]
+            ttfts.append(ttft)
+            evaluated.append(int(extension["evaluated_tokens"]))
+            records.append(extension)
 
-    started = time.perf_counter()
-    await asyncio.gather(*(customer(n) for n in range(args.clients)))
-    return figures(ttfts, evaluated, time.perf_counter() - started, args.clients * args.turns)
+    # Clients are made before the clock starts. httpx: one for every customer (one per
+    # customer built its own TLS context, about 50 ms of CPU each, while the first turns
+    # were being served on the same cores).
+    async with contextlib.AsyncExitStack() as stack:
+        clients: list[Client]
+        if args.client == "httpx":
+            shared = httpx.AsyncClient(base_url=url, timeout=900, limits=limits)
+            clients = [await stack.enter_async_context(shared)] * args.clients
+        else:
+            clients = [SSEClient(url, keepalive=keepalive) for _ in range(args.clients)]
+            for client in clients:
+                stack.push_async_callback(client.aclose)
+        started = time.perf_counter()
+        await asyncio.gather(*(customer(clients[n], n) for n in range(args.clients)))
+        elapsed = time.perf_counter() - started
+    return figures(ttfts, evaluated, elapsed, args.clients * args.turns, records)
 
 
 def free_port() -> int:
@@ -164,13 +221,24 @@ def server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
 # in process --------------------------------------------------------------------------------
 
 
+def reseed(session: ChatSession, seed: int) -> None:
+    """Store the turn's seed as serve stores a request's (the same replies both ways)."""
+    settings = session.conversation_settings().updated(generation={"seed": seed})
+    session.store.update_conversation(session.conversation_id, settings=settings.to_json())
+
+
 async def in_process(model: Path, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     ttfts: list[float] = []
     evaluated: list[int] = []
+    records: list[dict[str, Any]] = []
     with (
         Engine.load(model, n_ctx=args.n_ctx, slots=args.slots) as engine,
         Store(f"sqlite:///{folder / 'inprocess.db'}") as store,
     ):
+        # What serve builds before it reports ready (the codec, the sentence embedder), so
+        # that both runs time the same turns.
+        engine.codec()
+        engine.embedder()
 
         async def customer(n: int) -> None:
             session = await asyncio.to_thread(
@@ -182,12 +250,9 @@ async def in_process(model: Path, args: argparse.Namespace, folder: Path) -> dic
             )
             try:
                 for turn in range(args.turns):
-                    session.store.update_conversation(
-                        session.conversation_id,
-                        settings=session.conversation_settings()
-                        .updated(generation={"seed": turn})
-                        .to_json(),
-                    )
+                    # Off the event loop, which it held 2-3 ms a turn (delaying the other
+                    # customers' chunks), before the clock starts.
+                    await asyncio.to_thread(reseed, session, turn)
                     started = time.perf_counter()
                     first: float | None = None
                     async for _ in session.astream(question(n, turn)):
@@ -196,16 +261,71 @@ async def in_process(model: Path, args: argparse.Namespace, folder: Path) -> dic
                     assert first is not None and session.last_reply is not None
                     ttfts.append(first)
                     evaluated.append(session.last_reply.usage.evaluated_tokens)
+                    record = session.last_reply.turn
+                    if record is not None:
+                        records.append({"ttft_ms": record.ttft_ms, "swap_in": record.swap_in})
             finally:
                 await asyncio.to_thread(session.close)
 
         started = time.perf_counter()
         await asyncio.gather(*(customer(n) for n in range(args.clients)))
         elapsed = time.perf_counter() - started
-    return figures(ttfts, evaluated, elapsed, args.clients * args.turns)
+    return figures(ttfts, evaluated, elapsed, args.clients * args.turns, records)
 
 
 # main --------------------------------------------------------------------------------------
+
+
+def load_average() -> str | None:
+    """/proc/loadavg's 1/5/15-minute figures (the machine is shared: say how busy it was)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
+
+def _busy_ticks() -> int:
+    """Clock ticks every core spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]
+
+
+def _tree_ticks(root: int) -> dict[int, int]:
+    """Clock ticks (user + system) of ``root`` and its descendants, by pid."""
+    stats: dict[int, tuple[int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    ours = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (parent, _) in stats.items():
+            if parent in ours and pid not in ours:
+                ours.add(pid)
+                grew = True
+    return {pid: stats[pid][1] for pid in ours if pid in stats}
+
+
+@contextlib.contextmanager
+def others_cores(into: dict[str, Any]) -> Any:
+    """Sets ``into["others_cores"]``: the cores other processes kept busy during the block.
+
+    The machine is shared: another job's llama.cpp threads on the same cores slow this
+    run's by several times (both spin at barriers), which the load average hides.
+    """
+    try:
+        busy, ours, started = _busy_ticks(), _tree_ticks(os.getpid()), time.monotonic()
+    except OSError:  # no /proc
+        yield
+        return
+    yield
+    elapsed = time.monotonic() - started
+    mine = sum(t - ours.get(pid, 0) for pid, t in _tree_ticks(os.getpid()).items())
+    ticks = _busy_ticks() - busy - mine
+    into["others_cores"] = round(ticks / os.sysconf("SC_CLK_TCK") / elapsed, 2)
 
 
 def tiny_model() -> Path:
@@ -262,6 +382,40 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def one_round(
+    model: Path, args: argparse.Namespace, runs: set[str], folder: Path
+) -> dict[str, Any]:
+    """Every run asked for, one after the other, each in a fresh folder and process."""
+    results: dict[str, Any] = {"llama_server": None}
+    for name in ("serve", "stateless"):
+        if name not in runs:
+            continue
+        (folder / name).mkdir()
+        machine: dict[str, Any] = {}
+        with server(model, args, folder / name) as url, others_cores(machine):
+            results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
+        results[name] |= machine | {"load_average": load_average()}
+        print(name, results[name], flush=True)
+    if args.llama_server is not None and "llama_server" in runs:
+        machine = {}
+        with llama_server(model, args, folder) as url, others_cores(machine):
+            results["llama_server"] = asyncio.run(
+                http_load(url, args, stateful=False, keepalive=False)
+            )
+        results["llama_server"] |= machine | {"load_average": load_average()}
+        print("llama_server", results["llama_server"], flush=True)
+    if "in_process" in runs:
+        os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
+        machine = {}
+        with others_cores(machine):
+            results["in_process"] = asyncio.run(in_process(model, args, folder))
+        results["in_process"] |= machine | {"load_average": load_average()}
+        print("in_process", results["in_process"], flush=True)
+    results["ratios"] = ratios(results)
+    print(json.dumps(results["ratios"], indent=2), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="GGUF (default: tiny Llama 3)")
@@ -278,35 +432,41 @@ def main() -> None:
         "--runs", default="serve,stateless,in_process,llama_server", help="which runs"
     )
     parser.add_argument("--threads", type=int, default=None, help="llama-server -t")
+    parser.add_argument(
+        "--client",
+        choices=("lean", "httpx"),
+        default="lean",
+        help="the benchmark's HTTP client: lean (asyncio streams, bench/_sse.py) or httpx "
+        "(about 5 ms more CPU per turn on the cores the server shares)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="the runs this often, alternating (the median ratios are reported too): "
+        "other jobs come and go on a shared machine",
+    )
     args = parser.parse_args()
     runs = set(args.runs.split(","))
     model = args.model or tiny_model()
-    results: dict[str, Any] = {"model": model.name, **{k: v for k, v in vars(args).items()}}
+    results: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "json"}
     results["model"] = model.name
     results["llama_server_binary"] = str(args.llama_server) if args.llama_server else None
-    results["llama_server"] = None
-    results.pop("json")
+    results["load_average_before"] = load_average()
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        for name in ("serve", "stateless"):
-            if name not in runs:
-                continue
-            (folder / name).mkdir()
-            with server(model, args, folder / name) as url:
-                results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
-            print(name, results[name], flush=True)
-        if args.llama_server is not None and "llama_server" in runs:
-            with llama_server(model, args, folder) as url:
-                results["llama_server"] = asyncio.run(
-                    http_load(url, args, stateful=False, keepalive=False)
-                )
-            print("llama_server", results["llama_server"], flush=True)
-        if "in_process" in runs:
-            os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
-            results["in_process"] = asyncio.run(in_process(model, args, folder))
-            print("in_process", results["in_process"], flush=True)
-    results["ratios"] = ratios(results)
-    print(json.dumps(results["ratios"], indent=2))
+        for number in range(args.rounds):
+            folder = Path(tmp) / f"round{number}"
+            folder.mkdir()
+            rounds.append(one_round(model, args, runs, folder))
+    results |= rounds[-1]  # the last round's runs and ratios at the top, as with one round
+    if len(rounds) > 1:
+        results["rounds"] = rounds
+        results["median_ratios"] = {
+            key: round(statistics.median(r["ratios"][key] for r in rounds), 3)
+            for key in rounds[0]["ratios"]
+        }
+        print("median", json.dumps(results["median_ratios"], indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -413,13 +413,14 @@ class ChatSession(Closeable):
         """Whether summaries can run on a sequence of their own (the engine's reserved one)."""
         return self.engine.side_room > 0
 
-    def budget(self) -> tuple[int, int]:
-        """(prompt token budget, tokens reserved for the reply).
+    def budget(self, settings: ConversationSettings | None = None) -> tuple[int, int]:
+        """(prompt token budget, tokens reserved for the reply) under ``settings`` (default:
+        the stored ones, read now).
 
         The budget is what one slot holds less the reply's reserve; summaries have cells of
         their own (the engine's summary room), so they never take from it.
         """
-        stored = self.conversation_settings()
+        stored = settings if settings is not None else self.conversation_settings()
         return self._budget(stored.context, stored.generation)
 
     def _budget(self, settings: ContextSettings, generation: GenerationSettings) -> tuple[int, int]:
@@ -549,14 +550,22 @@ class ChatSession(Closeable):
             pass
         return _stored(replies)
 
-    def astream(self, text: str) -> AsyncIterator[str]:
+    def astream(self, text: str, *, before: Callable[[], None] | None = None) -> AsyncIterator[str]:
         """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
 
         Leaving the loop early ends the reply (stored as ``partial``), as with ``stream``.
+        ``before`` runs first in the turn's worker thread, before the turn begins (a server
+        stores there what its request adds: no thread hop of its own); what it raises is
+        raised here, and the turn is then not started.
         """
-        return self._astream(text, None)
+        return self._astream(text, None, before)
 
-    async def _astream(self, text: str, replies: list[Reply] | None) -> AsyncIterator[str]:
+    async def _astream(
+        self,
+        text: str,
+        replies: list[Reply] | None,
+        before: Callable[[], None] | None = None,
+    ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         stop = threading.Event()
@@ -566,6 +575,8 @@ class ChatSession(Closeable):
 
         def work() -> None:
             try:
+                if before is not None:
+                    before()
                 stream = self._open_stream(text, replies)
                 try:
                     for chunk in stream:
@@ -581,6 +592,7 @@ class ChatSession(Closeable):
 
         worker = threading.Thread(target=work, name="chatctx-astream", daemon=True)
         worker.start()
+        ended = False
         try:
             while True:
                 kind, value = await chunks.get()
@@ -589,10 +601,12 @@ class ChatSession(Closeable):
                 elif kind == "error":
                     raise value
                 else:
+                    ended = True
                     break
         finally:
             stop.set()
-            await asyncio.to_thread(worker.join)
+            if not ended:  # left early: the worker is still ending the reply and storing it
+                await asyncio.to_thread(worker.join)
 
     def _open_stream(self, text: str, replies: list[Reply] | None) -> Generator[str, None, None]:
         requested = time.perf_counter()

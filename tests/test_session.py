@@ -1,6 +1,7 @@
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,37 @@ def test_bad_input(db_url: str, llama3_engine: Engine) -> None:
         with pytest.raises(ConfigError, match="empty"):
             chat.send("   ")
         assert chat.history() == []
+
+
+def test_astream_runs_before_in_its_worker_thread_ahead_of_the_turn(
+    db_url: str, llama3_engine: Engine
+) -> None:
+    import asyncio
+    import threading
+
+    threads: list[str] = []
+
+    def add_earlier() -> None:
+        threads.append(threading.current_thread().name)
+        chat.store.add_messages(
+            "c", [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "ok"}]
+        )
+
+    def refuse() -> None:
+        raise ConfigError("refused before the turn")
+
+    async def turn(text: str, before: Any) -> str:
+        return "".join([chunk async for chunk in chat.astream(text, before=before)])
+
+    with ChatSession.open(
+        db_url, conversation_id="c", model=llama3_engine, settings={"max_tokens": 3}
+    ) as chat:
+        text = asyncio.run(turn("now", add_earlier))
+        # What ``before`` stored comes ahead of the turn's user message; it ran off the loop.
+        assert [m.content for m in chat.history()] == ["earlier", "ok", "now", text]
+        assert threads == ["chatctx-astream"]
+        with pytest.raises(ConfigError, match="refused before the turn"):
+            asyncio.run(turn("never", refuse))
+        assert [m.content for m in chat.history()] == ["earlier", "ok", "now", text]
+        # The refused turn took no slot and left nothing in flight: the next one goes on.
+        assert asyncio.run(turn("again", None)) == chat.history()[-1].content

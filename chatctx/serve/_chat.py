@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -26,8 +27,8 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from chatctx.config import ConversationSettings, GenerationSettings
-from chatctx.errors import ChatctxError
+from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings
+from chatctx.errors import ChatctxError, ConversationNotFound
 from chatctx.serve._errors import APIError, error_body, from_chatctx
 from chatctx.serve._schemas import (
     ChatCompletionRequest,
@@ -38,8 +39,9 @@ from chatctx.serve._schemas import (
 )
 from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateless_owner
 from chatctx.serve._tenants import Tenant
-from chatctx.serve._turn import TurnRun
+from chatctx.serve._turn import Cut, TurnRun
 from chatctx.session import ChatSession
+from chatctx.store import Store
 
 __all__ = ["chat_completion"]
 
@@ -105,18 +107,44 @@ def _generation(request: ChatCompletionRequest) -> GenerationSettings:
         raise APIError(400, f"invalid sampling settings: {exc}", code="invalid_value") from exc
 
 
-def _apply(session: ChatSession, plan: _Plan, generation: GenerationSettings) -> None:
-    """Store the request's settings, system prompt and earlier messages (a worker thread)."""
-    conversation = session.store.get_conversation(session.conversation_id)
+def _apply(
+    session: ChatSession,
+    plan: _Plan,
+    generation: GenerationSettings,
+    *,
+    create: ContextSettings | None = None,
+    created: Callable[[], None] | None = None,
+) -> None:
+    """Store the request's settings, system prompt and earlier messages (in the turn's worker
+    thread, before the turn begins).
+
+    ``create``: the session is new in this process; its conversation is got or created
+    here (what ``ChatSession.open`` does), a new one with these context settings and the
+    request's, and ``created`` is called once it exists. Otherwise it is read once, then
+    written once if the request changes it: the turn reads it again itself, and another
+    process may change it meanwhile, so nothing is kept from here.
+    """
+    store, cid = session.store, session.conversation_id
+    if create is not None:
+        wanted = ConversationSettings(generation=generation, context=create)
+        conversation, new = store.get_or_create_conversation(
+            cid, system_prompt=plan.system_prompt, settings=wanted.to_json()
+        )
+        if created is not None:
+            created()
+    else:
+        conversation, new = store.get_conversation(cid), False
     stored = ConversationSettings.parse(conversation.settings)
-    if stored.generation != generation:
-        merged = ConversationSettings(generation=generation, context=stored.context)
-        session.store.update_conversation(session.conversation_id, settings=merged.to_json())
-    if plan.system_prompt is not None and plan.system_prompt != conversation.system_prompt:
-        session.store.update_conversation(session.conversation_id, system_prompt=plan.system_prompt)
+    merged = ConversationSettings(generation=generation, context=stored.context)
+    settings = merged.to_json() if stored.generation != generation else None
+    system_prompt = plan.system_prompt
+    if system_prompt == conversation.system_prompt:
+        system_prompt = None
+    if not new and (settings is not None or system_prompt is not None):
+        store.update_conversation(cid, settings=settings, system_prompt=system_prompt)
     if plan.earlier:
-        session.store.add_messages(session.conversation_id, plan.earlier)
-    session.budget()  # a reply limit that leaves no room for a prompt: ConfigError now
+        store.add_messages(cid, plan.earlier)
+    session.budget(merged)  # a reply limit that leaves no room for a prompt: ConfigError now
 
 
 @dataclass
@@ -128,7 +156,7 @@ class _Turn:
     request: ChatCompletionRequest
     session: ChatSession
     run: TurnRun
-    cancel: asyncio.Event
+    cancel: Cut
     conversation: str | None  # the client's id; None when stateless
     stored_id: str
     log: dict[str, Any]
@@ -218,10 +246,18 @@ class _Turn:
         )
 
 
+def _drop(session: ChatSession, ephemeral: Store) -> None:
+    """Close a stateless request's session and delete its conversation (if it got one)."""
+    session.close()
+    with contextlib.suppress(ConversationNotFound):
+        ephemeral.delete_conversation(session.conversation_id)
+
+
 async def _open_turn(
     service: Service, tenant: Tenant, request: ChatCompletionRequest, log: dict[str, Any]
 ) -> _Turn:
-    """Check limits, take locks, store what the request adds and start the reply."""
+    """Check limits, take locks and start the reply (its worker thread first stores what the
+    request adds: errors there reach the first ``next_delta``, before any output)."""
     _, backend = service.require_ready()
     limits = service.config.limits
     if len(request.messages) > limits.max_messages:
@@ -258,31 +294,35 @@ async def _open_turn(
                 service.locks.release(stored_id)
 
             cleanup.append(release_lock)
-            session = await service.session(stored_id)
+            session, fresh = await service.session(stored_id)
+            before = functools.partial(
+                _apply,
+                session,
+                plan,
+                generation,
+                create=ContextSettings() if fresh else None,
+                created=functools.partial(service.opened.add, stored_id),
+            )
         else:
             assert service.ephemeral is not None
             ephemeral = service.ephemeral
             stored_id = f"stateless-{uuid.uuid4().hex}"
             opening = [(m.stored_role, m.text()) for m in request.messages[:2]]
-            session = await asyncio.to_thread(
-                ChatSession.open,
-                ephemeral,
-                conversation_id=stored_id,
-                model=OwnedAs(backend, stateless_owner(tenant.name, opening)),
-                context=STATELESS_CONTEXT,
-            )
+            owner = OwnedAs(backend, stateless_owner(tenant.name, opening))
+            # Made without the database: the turn's worker thread creates its conversation.
+            session = ChatSession(store=ephemeral, engine=owner, conversation_id=stored_id)
+            before = functools.partial(_apply, session, plan, generation, create=STATELESS_CONTEXT)
 
             async def drop_ephemeral() -> None:
-                await asyncio.to_thread(session.close)
-                await asyncio.to_thread(ephemeral.delete_conversation, stored_id)
+                await asyncio.to_thread(_drop, session, ephemeral)
 
             cleanup.append(drop_ephemeral)
-        await asyncio.to_thread(_apply, session, plan, generation)
     except BaseException:
         await unwind()
         raise
     cancel = service.turn_started()
-    run = TurnRun(session, plan.text, stops=request.stop_list(), deadline=deadline, cancel=cancel)
+    stops = request.stop_list()
+    run = TurnRun(session, plan.text, stops=stops, deadline=deadline, cancel=cancel, before=before)
     return _Turn(
         service=service,
         tenant=tenant,
@@ -363,11 +403,12 @@ async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:
             yield b"data: [DONE]\n\n"
             return
         await turn.close()
-        yield chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
+        # The last events in one write: the same bytes, one trip through the ASGI stack.
+        last = chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
         options = turn.request.stream_options
         if options is not None and options.include_usage:
-            yield chunk(usage=turn.usage())
-        yield b"data: [DONE]\n\n"
+            last += chunk(usage=turn.usage())
+        yield last + b"data: [DONE]\n\n"
     finally:
         await turn.close()
 

@@ -82,18 +82,19 @@ class ServeMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             self.service.metrics.observe_request(scope["method"], template, status, seconds)
-            entry = {
-                "ts": round(time.time(), 3),
-                "request_id": request_id,
-                "method": scope["method"],
-                "path": scope["path"],
-                "route": template,
-                "status": status,
-                "ms": round(seconds * 1000, 1),
-                "client": (scope.get("client") or ("-",))[0],
-                **log,
-            }
-            access_logger.info(json.dumps(entry, ensure_ascii=False, default=str))
+            if access_logger.isEnabledFor(logging.INFO):  # off with --no-access-log
+                entry = {
+                    "ts": round(time.time(), 3),
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "route": template,
+                    "status": status,
+                    "ms": round(seconds * 1000, 1),
+                    "client": (scope.get("client") or ("-",))[0],
+                    **log,
+                }
+                access_logger.info(json.dumps(entry, ensure_ascii=False, default=str))
 
 
 async def _read_body(receive: Receive, limit: int, declared: str | None) -> bytes | None:

@@ -15,16 +15,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from chatctx.backend import Backend, Codec, Lease, MemorySnapshot, ModelInfo, Stream, TextEmbedder
 from chatctx.config import ContextSettings, GenerationSettings, Settings
-from chatctx.errors import ConfigError
+from chatctx.errors import ChatctxError, ConfigError
 from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import APIError
 from chatctx.serve._metrics import ServeMetrics
 from chatctx.serve._tenants import ConversationLocks, Tenancy, TurnLimiter
+from chatctx.serve._turn import Cut
 from chatctx.session import ChatSession
 from chatctx.store import Store
 
@@ -182,6 +183,21 @@ def stateless_owner(tenant: str | None, opening: Sequence[tuple[str, str]]) -> s
     return f"stateless:{digest}"
 
 
+def warm_up(backend: Backend) -> None:
+    """Build what the first turn would otherwise build while a customer waits: the codec
+    (tiktoken's tables) and, when conversations recall by meaning by default, the sentence
+    embedder (converted to GGUF on first use, then loaded): seconds each on a small CPU."""
+    defaults = ContextSettings()
+    steps: list[tuple[str, Callable[[], object]]] = [("codec", backend.codec)]
+    if defaults.recall and defaults.recall_search != "words":
+        steps.append(("sentence embedder", backend.embedder))
+    for name, step in steps:
+        try:
+            step()
+        except ChatctxError as exc:  # the turns that need it get this error themselves
+            logger.warning("%s not ready ahead of the first turn: %s", name, exc)
+
+
 class Service:
     """The store, the backend, the sessions kept open, the limits and the drain state."""
 
@@ -208,7 +224,10 @@ class Service:
         self.draining = False
         self.started_at = time.time()
         self.sessions: OrderedDict[str, ChatSession] = OrderedDict()
-        self.cancels: set[asyncio.Event] = set()  # one per turn in flight: set to cut it
+        # Conversations of ``sessions`` that their first turn got or created (set from the
+        # turns' worker threads): later turns only read them.
+        self.opened: set[str] = set()
+        self.cancels: set[Cut] = set()  # one per turn in flight: set to cut it
         self._idle = asyncio.Event()
         self._idle.set()
         # The last turns served, newest last: what the cache page charts.
@@ -229,6 +248,7 @@ class Service:
                     self.config.engine_options,
                     store=self.store,
                 )
+            warm_up(self.backend)
             self.loaded = True
             logger.info("serving %s", self.model_id)
         except Exception as exc:
@@ -278,13 +298,13 @@ class Service:
 
     # turns in flight ----------------------------------------------------------------------
 
-    def turn_started(self) -> asyncio.Event:
-        cancel = asyncio.Event()
+    def turn_started(self) -> Cut:
+        cancel = Cut()
         self.cancels.add(cancel)
         self._idle.clear()
         return cancel
 
-    def turn_ended(self, cancel: asyncio.Event) -> None:
+    def turn_ended(self, cancel: Cut) -> None:
         self.cancels.discard(cancel)
         if not self.cancels:
             self._idle.set()
@@ -305,19 +325,21 @@ class Service:
 
     # sessions -----------------------------------------------------------------------------
 
-    async def session(self, stored_id: str) -> ChatSession:
-        """The open session of a conversation (the caller holds its lock)."""
+    async def session(self, stored_id: str) -> tuple[ChatSession, bool]:
+        """The open session of a conversation (the caller holds its lock), and whether its
+        conversation is still to be got or created: a new session is made here without the
+        database, and its first turn does that in its own worker thread (then adds the id to
+        ``opened``)."""
         session = self.sessions.get(stored_id)
         if session is not None and not session.closed:
             self.sessions.move_to_end(stored_id)
-            return session
+            return session, stored_id not in self.opened
         store, backend = self.require_ready()
-        session = await asyncio.to_thread(
-            ChatSession.open, store, conversation_id=stored_id, model=backend
-        )
+        self.opened.discard(stored_id)
+        session = ChatSession(store=store, engine=backend, conversation_id=stored_id)
         self.sessions[stored_id] = session
         await self._trim()
-        return session
+        return session, True
 
     async def _trim(self) -> None:
         over = len(self.sessions) - self.config.max_open_sessions
@@ -326,12 +348,12 @@ class Service:
                 break
             if self.locks.busy(stored_id):
                 continue
-            session = self.sessions.pop(stored_id)
+            await self.forget(stored_id)
             over -= 1
-            await asyncio.to_thread(session.close)
 
     async def forget(self, stored_id: str) -> None:
         session = self.sessions.pop(stored_id, None)
+        self.opened.discard(stored_id)
         if session is not None:
             await asyncio.to_thread(session.close)
 

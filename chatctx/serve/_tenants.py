@@ -127,7 +127,8 @@ class ConversationLocks:
         entry = self._entries.setdefault(stored_id, _Entry())
         entry.users += 1
         try:
-            await asyncio.wait_for(entry.lock.acquire(), timeout=self.wait_s)
+            async with asyncio.timeout(self.wait_s):  # no task per acquire, as wait_for has
+                await entry.lock.acquire()
         except TimeoutError:
             self._drop(stored_id, entry)
             raise APIError(

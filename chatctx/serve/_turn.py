@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from chatctx.session import ChatSession, Reply
 
-__all__ = ["TurnRun"]
+__all__ = ["Cut", "TurnRun"]
 
 logger = logging.getLogger("chatctx.serve")
 
@@ -33,6 +32,37 @@ def _held_back(text: str, stops: list[str]) -> int:
     return hold
 
 
+class Cut:
+    """Set when the server drains: the turn's reply is cut where it is.
+
+    Setting it wakes the turn's wait for its next chunk directly, so that no task per chunk
+    has to wait on an event beside it (a reply of N chunks used to start 2N tasks).
+    """
+
+    __slots__ = ("_set", "_wake")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._wake: Callable[[], None] | None = None
+
+    def set(self) -> None:
+        self._set = True
+        if self._wake is not None:
+            self._wake()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    @contextlib.contextmanager
+    def waking(self, wake: Callable[[], None]) -> Iterator[None]:
+        """Within the block, setting it calls ``wake`` too."""
+        self._wake = wake
+        try:
+            yield
+        finally:
+            self._wake = None
+
+
 class TurnRun:
     """A reply being generated: ``await next_delta()`` until None, then ``await finish()``."""
 
@@ -43,14 +73,16 @@ class TurnRun:
         *,
         stops: list[str],
         deadline: float,
-        cancel: asyncio.Event,
+        cancel: Cut,
+        before: Callable[[], None] | None = None,
     ) -> None:
         self.session = session
         self.stops = stops
         self.deadline = deadline  # loop.time() when the reply is cut
         self.cancel = cancel  # set when the server drains
         self._before = session.last_reply
-        self._stream: AsyncIterator[str] = session.astream(text)
+        # ``before`` (storing what the request adds) runs in the turn's own worker thread
+        self._stream: AsyncIterator[str] = session.astream(text, before=before)
         self.raw = ""  # what the model wrote (for a stop: up to it)
         self.sent = 0  # characters of ``raw`` handed out
         self.cut: str | None = None  # "stop" | "timeout" | "drain" | "gone"
@@ -99,38 +131,35 @@ class TurnRun:
         return out
 
     async def _next_chunk(self) -> str | None:
-        step: asyncio.Future[Any] = asyncio.ensure_future(anext(self._stream))
-        stopper: asyncio.Future[Any] = asyncio.ensure_future(self.cancel.wait())
-        left = self.deadline - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        if self.cancel.is_set() or loop.time() >= self.deadline:
+            self.cut = "drain" if self.cancel.is_set() else "timeout"
+            return None
+        # The deadline, or the drain through ``cancel``, cancels the wait for the chunk: the
+        # session then ends the reply (stored as partial) and lets go of its slot before the
+        # wait returns.
         try:
-            done, _ = await asyncio.wait(
-                {step, stopper}, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED
-            )
-        except asyncio.CancelledError:  # the client hung up: end the reply, then go
-            self.cut = "gone"
-            await self._abandon(step)
-            raise
-        finally:
-            stopper.cancel()
-        if step in done:
-            try:
-                chunk: str = step.result()
-            except StopAsyncIteration:
-                return None
-            return chunk
-        self.cut = "drain" if self.cancel.is_set() else "timeout"
-        await self._abandon(step)
-        return None
+            async with asyncio.timeout_at(self.deadline) as timeout:
 
-    async def _abandon(self, step: asyncio.Future[Any]) -> None:
-        """Cancel a pending chunk: the session ends the reply (stored as partial) and lets
-        go of its slot; this waits for that."""
-        step.cancel()
-        await asyncio.wait({step})
-        if not step.cancelled():
-            exc = step.exception()
-            if exc is not None and not isinstance(exc, StopAsyncIteration):
+                def wake() -> None:
+                    if not timeout.expired():
+                        timeout.reschedule(loop.time())
+
+                with self.cancel.waking(wake):
+                    chunk: str = await anext(self._stream)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:  # the client hung up: the reply has ended, go
+            self.cut = "gone"
+            raise
+        except Exception as exc:
+            if not timeout.expired():
+                raise
+            if not isinstance(exc, TimeoutError):
                 logger.warning("a cut reply ended with %s: %s", type(exc).__name__, exc)
+            self.cut = "drain" if self.cancel.is_set() else "timeout"
+            return None
+        return chunk
 
     async def _end(self) -> None:
         if self.finished:

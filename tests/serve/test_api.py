@@ -4,11 +4,14 @@ the conversations endpoints, metrics and the access log; the database is the ora
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings
+from chatctx.engine._embedder import EMBEDDER_FILE
 from chatctx.store import parse_line
 from tests.serve.conftest import ServerProcess
 
@@ -75,6 +78,21 @@ def assert_error(
         ({"messages": [user("hi")] * 65}, "array_above_max_length", "messages"),
         ({"messages": [user("hi")], "max_tokens": 600}, "invalid_value", None),
         (
+            {"messages": [user("hi")], "max_tokens": 600, "conversation": "no-room"},
+            "invalid_value",
+            None,
+        ),
+        (
+            {
+                "messages": [user("hi")],
+                "max_tokens": 600,
+                "conversation": "no-room",
+                "stream": True,
+            },
+            "invalid_value",
+            None,
+        ),
+        (
             {"messages": [user("word " * 3000)], "conversation": "too-long"},
             "context_length_exceeded",
             "messages",
@@ -86,9 +104,9 @@ def test_bad_requests_get_openai_errors(
 ) -> None:
     response = chat(tiny_server, body)
     assert_error(response, 400, code, param)
-    if code == "context_length_exceeded":
+    if body.get("conversation") in ("too-long", "no-room"):
         with tiny_server.store() as store:  # nothing was stored for the refused turn
-            assert store.messages("too-long") == []
+            assert store.messages(body["conversation"]) == []
 
 
 def test_transport_errors(tiny_server: ServerProcess) -> None:
@@ -113,6 +131,18 @@ def test_models_health_ready(tiny_server: ServerProcess) -> None:
     assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
     ready = httpx.get(f"{tiny_server.url}/ready").json()
     assert ready["ready"] is True and ready["db_revision"] == ready["db_head"] is not None
+
+
+def test_ready_only_once_the_first_turns_work_is_done(
+    tiny_llama3_path: Path, start_server: Any, tmp_path: Path
+) -> None:
+    # Recall by meaning is on by default: the sentence embedder is converted into the home
+    # (seconds) before /ready says 200, not in the first customer's turn.
+    home = tmp_path / "fresh-home"
+    server = start_server(tiny_llama3_path, env={"CHATCTX_HOME": str(home), "CHATCTX_EMBEDDER": ""})
+    assert (home / "models" / EMBEDDER_FILE).is_file()
+    reply = chat(server, {"messages": [user("hello")], "conversation": "c1", "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
 
 
 def test_stop_strings_end_the_reply_and_the_stored_message(tiny_server: ServerProcess) -> None:
@@ -162,6 +192,38 @@ def test_stop_strings_end_the_reply_and_the_stored_message(tiny_server: ServerPr
         streamed,
     ]
     assert all(m.status == "complete" for m in replies)
+
+
+def test_a_request_stores_its_settings_over_the_conversations(tiny_server: ServerProcess) -> None:
+    # A conversation the server never saw (another process made it): the request's system
+    # prompt and sampling replace the stored ones, its context settings stay.
+    old = ConversationSettings(
+        generation=GenerationSettings(temperature=0.3), context=ContextSettings(budget=300)
+    )
+    with tiny_server.store() as store:
+        store.create_conversation("made-elsewhere", system_prompt="old", settings=old.to_json())
+    system = {"role": "system", "content": "new"}
+    body = {"messages": [system, user("hi")], "temperature": 0.9, "max_tokens": 4}
+    assert chat(tiny_server, {**body, "conversation": "made-elsewhere"}).status_code == 200
+    # A new conversation with earlier messages: created with the request's settings.
+    earlier = [user("a"), {"role": "assistant", "content": "b"}, user("c")]
+    first = {"messages": [system, *earlier], "seed": 5, "max_tokens": 4, "conversation": "new-one"}
+    assert chat(tiny_server, first).status_code == 200
+    # Its next turn: no system message keeps the prompt; the sampling is the request's.
+    again = {"messages": [user("d")], "seed": 6, "max_tokens": 3, "conversation": "new-one"}
+    assert chat(tiny_server, again).status_code == 200
+    with tiny_server.store() as store:
+        elsewhere = store.get_conversation("made-elsewhere")
+        new_one = store.get_conversation("new-one")
+        contents = [m.content for m in store.messages("new-one")]
+    settings = ConversationSettings.parse(elsewhere.settings)
+    assert elsewhere.system_prompt == "new"
+    assert settings.generation == GenerationSettings(temperature=0.9, max_tokens=4)
+    assert settings.context == ContextSettings(budget=300)
+    settings = ConversationSettings.parse(new_one.settings)
+    assert new_one.system_prompt == "new"
+    assert settings == ConversationSettings(generation=GenerationSettings(seed=6, max_tokens=3))
+    assert contents[:3] == ["a", "b", "c"] and contents[4] == "d" and len(contents) == 6
 
 
 def test_stateless_requests_are_trimmed_and_not_kept(tiny_server: ServerProcess) -> None:

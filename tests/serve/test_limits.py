@@ -117,3 +117,41 @@ def test_busy_conversation_409_tenant_429_and_timeout(
     # Freed: the conversation and the tenant take turns again.
     assert ask(server, "x").status_code == 200
     assert ask(server, "z").status_code == 200
+
+
+def test_a_client_gone_mid_reply_ends_it_stored_as_partial(
+    tiny_llama3_path: Path, start_server: Any
+) -> None:
+    server: ServerProcess = start_server(tiny_llama3_path, "--n-ctx", "2048", "--slots", "1")
+    body = {
+        "messages": [{"role": "user", "content": "talk"}],
+        "conversation": "gone",
+        "max_tokens": 1500,
+        "stream": True,
+    }
+    seen = ""
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                seen += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            if seen:
+                break  # hang up after the first text: the connection is closed
+    # The server notices, ends the reply where it is and stores it as partial with its turn.
+    deadline = time.monotonic() + 60
+    with server.store() as store:
+        while time.monotonic() < deadline:
+            messages = store.messages("gone")
+            if len(messages) == 2:
+                break
+            time.sleep(0.2)
+        user, reply = store.messages("gone")
+        assert user.content == "talk" and reply.role == "assistant"
+        assert reply.status == "partial" and reply.content.startswith(seen)
+        turn = store.turns("gone")[-1]
+        assert turn.assistant_message_id == reply.id and 0 < turn.generated_tokens < 1500
+    # The conversation's lock and the only slot are free again.
+    assert ask(server, "gone").status_code == 200
+    assert ask(server, "other").status_code == 200
