@@ -39,6 +39,7 @@ class TurnInFlight:
     released: bool = False  # its slot is given back
     yielded: bool = False  # text reached the reader: a failed backend can't be retried
     failovers: int = 0  # times the turn moved to another backend before its first token
+    settings: dict[str, Any] | None = None  # conversation settings stored with the user message
     lock: threading.RLock = field(default_factory=threading.RLock)
     done: threading.Event = field(default_factory=threading.Event)
 

@@ -445,11 +445,15 @@ class ChatSession(Closeable):
         with background.peeking():
             return self._build(new_message)[0]
 
-    def _build(self, new_message: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
-        """The context for ``new_message``, with the settings it was built under (one read)."""
+    def _build(
+        self, new_message: str, sampling: GenerationSettings | None = None
+    ) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
+        """The context for ``new_message``, with the settings it was built under (one read;
+        ``sampling`` in place of the stored generation settings)."""
         conversation = self.store.get_conversation(self.conversation_id)
         parsed = ConversationSettings.parse(conversation.settings)
-        generation, context = parsed.generation, parsed.context
+        self._stored_generation = parsed.generation
+        generation, context = sampling or parsed.generation, parsed.context
         stored = self.store.context_state(self.conversation_id)
         self._state_version = stored.version
         state = ContextState(
@@ -527,44 +531,55 @@ class ChatSession(Closeable):
 
     # chatting -----------------------------------------------------------------------------
 
-    def send(self, text: str) -> Reply:
-        """Send a user message and wait for the whole reply."""
+    def send(self, text: str, *, settings: Sampling = None) -> Reply:
+        """Send a user message and wait for the whole reply.
+
+        ``settings`` (``GenerationSettings`` or a mapping of its fields) sample this turn and
+        become the conversation's, stored with the user message in one transaction.
+        """
         replies: list[Reply] = []
-        for _ in self._open_stream(text, replies):
+        for _ in self._open_stream(text, replies, _settings_or_none(settings)):
             pass
         return _stored(replies)
 
-    def stream(self, text: str) -> Generator[str, None, None]:
+    def stream(self, text: str, *, settings: Sampling = None) -> Generator[str, None, None]:
         """Send a user message and yield the reply as it is generated.
 
         Raises ``ContextBudgetError`` before storing anything when the prompt cannot fit.
         Time to first token is counted from this call, which waits while every slot of the
-        engine is leased.
+        engine is leased. ``settings``: as for ``send``.
         """
-        return self._open_stream(text, None)
+        return self._open_stream(text, None, _settings_or_none(settings))
 
-    async def asend(self, text: str) -> Reply:
+    async def asend(self, text: str, *, settings: Sampling = None) -> Reply:
         """``send`` for asyncio: the turn runs in a worker thread, batched with the others."""
         replies: list[Reply] = []
-        async for _ in self._astream(text, replies):
+        async for _ in self._astream(text, replies, settings=_settings_or_none(settings)):
             pass
         return _stored(replies)
 
-    def astream(self, text: str, *, before: Callable[[], None] | None = None) -> AsyncIterator[str]:
+    def astream(
+        self,
+        text: str,
+        *,
+        before: Callable[[], None] | None = None,
+        settings: Sampling = None,
+    ) -> AsyncIterator[str]:
         """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
 
         Leaving the loop early ends the reply (stored as ``partial``), as with ``stream``.
         ``before`` runs first in the turn's worker thread, before the turn begins (a server
         stores there what its request adds: no thread hop of its own); what it raises is
-        raised here, and the turn is then not started.
+        raised here, and the turn is then not started. ``settings``: as for ``send``.
         """
-        return self._astream(text, None, before)
+        return self._astream(text, None, before, _settings_or_none(settings))
 
     async def _astream(
         self,
         text: str,
         replies: list[Reply] | None,
         before: Callable[[], None] | None = None,
+        settings: GenerationSettings | None = None,
     ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -577,7 +592,7 @@ class ChatSession(Closeable):
             try:
                 if before is not None:
                     before()
-                stream = self._open_stream(text, replies)
+                stream = self._open_stream(text, replies, settings)
                 try:
                     for chunk in stream:
                         put("chunk", chunk)
@@ -608,14 +623,22 @@ class ChatSession(Closeable):
             if not ended:  # left early: the worker is still ending the reply and storing it
                 await asyncio.to_thread(worker.join)
 
-    def _open_stream(self, text: str, replies: list[Reply] | None) -> Generator[str, None, None]:
+    def _open_stream(
+        self, text: str, replies: list[Reply] | None, sampling: GenerationSettings | None = None
+    ) -> Generator[str, None, None]:
         requested = time.perf_counter()
         turn = self._begin_turn("stream")
         try:
             self._lease_slot(turn)
             clock = (requested, time.perf_counter())
             self._turn_under_way.clear()
-            built, generation, context = self._prepare(text)
+            built, generation, context = self._prepare(text, sampling)
+            # Sampling given with the turn is stored with its user message (one transaction).
+            turn.settings = (
+                None
+                if sampling is None or sampling == self._stored_generation
+                else ConversationSettings(generation=sampling, context=context).to_json()
+            )
             stream = self._stream(turn, text, built, generation, context.eviction, clock, replies)
         except BaseException:
             self._turn_under_way.set()
@@ -732,14 +755,16 @@ class ChatSession(Closeable):
             self.last_reply = stored
         return stored
 
-    def _prepare(self, text: str) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
+    def _prepare(
+        self, text: str, sampling: GenerationSettings | None = None
+    ) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
         """Build the context for ``text`` and persist what the builder decided."""
         self._check_open()
         if not text.strip():
             raise ConfigError("empty message")
         for attempt in range(1, STATE_ATTEMPTS + 1):
             # raises ContextBudgetError before anything is stored
-            built, generation, context = self._build(text)
+            built, generation, context = self._build(text, sampling)
             self.last_build = built
             plan = built.plan
             if not (
@@ -791,7 +816,9 @@ class ChatSession(Closeable):
             with turn.lock:
                 self._check_open()  # closed before the first chunk was asked for
                 built_at = time.perf_counter()
-                turn.user = self.store.add_message(self.conversation_id, "user", text)
+                turn.user = self.store.add_message(
+                    self.conversation_id, "user", text, conversation_settings=turn.settings
+                )
                 turn.clock = (*leased, built_at, time.perf_counter())
                 turn.plan = built.plan
                 turn.replies = replies
@@ -1031,6 +1058,13 @@ def _context_settings(value: ContextSettings | Mapping[str, Any]) -> ContextSett
         return ContextSettings.model_validate(dict(value))
     except ValidationError as exc:
         raise ConfigError(f"invalid context settings: {exc}") from exc
+
+
+Sampling = GenerationSettings | Mapping[str, Any] | None
+
+
+def _settings_or_none(value: Sampling) -> GenerationSettings | None:
+    return None if value is None else _settings(value)
 
 
 def _settings(value: GenerationSettings | Mapping[str, Any]) -> GenerationSettings:

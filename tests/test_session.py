@@ -160,3 +160,38 @@ def test_astream_runs_before_in_its_worker_thread_ahead_of_the_turn(
         assert [m.content for m in chat.history()] == ["earlier", "ok", "now", text]
         # The refused turn took no slot and left nothing in flight: the next one goes on.
         assert asyncio.run(turn("again", None)) == chat.history()[-1].content
+
+
+def test_settings_given_with_a_turn_sample_it_and_are_stored_with_its_message(
+    db_url: str, llama3_engine: Engine
+) -> None:
+    # Oracles: the reply's own token count (max_tokens 2), the stored conversation read back
+    # through a second Store, and the transactions the turn committed (SQLAlchemy events).
+    from sqlalchemy import event
+
+    with ChatSession.open(
+        db_url, conversation_id="c", model=llama3_engine, settings={"max_tokens": 6}
+    ) as chat:
+        chat.send("first")  # the stored settings: max_tokens 6
+        commits: list[int] = []
+        event.listen(chat.store.engine, "commit", lambda conn: commits.append(1))
+        plain = len(commits)
+        chat.send("second")
+        plain = len(commits) - plain
+        before = len(commits)
+        reply = chat.send("third", settings={"max_tokens": 2, "seed": 7})
+        assert reply.usage.generated_tokens <= 2
+        # The new settings cost no transaction of their own: they went with the message.
+        assert len(commits) - before == plain
+        with Store(db_url) as other:
+            stored = other.get_conversation("c").settings
+        assert stored["generation"]["max_tokens"] == 2 and stored["generation"]["seed"] == 7
+        # A turn refused before it starts stores neither its message nor its settings.
+        count = len(chat.history())
+        with pytest.raises(ConfigError, match="no room"):
+            chat.send("fourth", settings={"max_tokens": llama3_engine.n_ctx})
+        assert len(chat.history()) == count
+        with Store(db_url) as other:
+            assert other.get_conversation("c").settings["generation"]["max_tokens"] == 2
+        with pytest.raises(ConfigError, match="generation settings"):
+            chat.send("fifth", settings={"temperature": -1})

@@ -144,8 +144,14 @@ class ReplayStore(Store):
         return history
 
     def add_messages(
-        self, conversation_id: str, messages: Sequence[dict[str, Any]]
+        self,
+        conversation_id: str,
+        messages: Sequence[dict[str, Any]],
+        *,
+        settings: dict[str, Any] | None = None,
     ) -> list[Message]:
+        if settings is not None:
+            self.update_conversation(conversation_id, settings=settings)
         for message in messages:
             if message["role"] not in ROLES:
                 raise StoreError(f"unknown role {message['role']!r}")

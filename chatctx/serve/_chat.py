@@ -115,14 +115,14 @@ def _apply(
     create: ContextSettings | None = None,
     created: Callable[[], None] | None = None,
 ) -> None:
-    """Store the request's settings, system prompt and earlier messages (in the turn's worker
-    thread, before the turn begins).
+    """Store the request's system prompt and earlier messages (in the turn's worker thread,
+    before the turn begins); its sampling settings go with the turn's user message.
 
     ``create``: the session is new in this process; its conversation is got or created
     here (what ``ChatSession.open`` does), a new one with these context settings and the
     request's, and ``created`` is called once it exists. Otherwise it is read once, then
-    written once if the request changes it: the turn reads it again itself, and another
-    process may change it meanwhile, so nothing is kept from here.
+    written once if the request changes its system prompt: the turn reads it again itself,
+    and another process may change it meanwhile, so nothing is kept from here.
     """
     store, cid = session.store, session.conversation_id
     if create is not None:
@@ -136,12 +136,9 @@ def _apply(
         conversation, new = store.get_conversation(cid), False
     stored = ConversationSettings.parse(conversation.settings)
     merged = ConversationSettings(generation=generation, context=stored.context)
-    settings = merged.to_json() if stored.generation != generation else None
     system_prompt = plan.system_prompt
-    if system_prompt == conversation.system_prompt:
-        system_prompt = None
-    if not new and (settings is not None or system_prompt is not None):
-        store.update_conversation(cid, settings=settings, system_prompt=system_prompt)
+    if not new and system_prompt is not None and system_prompt != conversation.system_prompt:
+        store.update_conversation(cid, system_prompt=system_prompt)
     if plan.earlier:
         store.add_messages(cid, plan.earlier)
     session.budget(merged)  # a reply limit that leaves no room for a prompt: ConfigError now
@@ -322,7 +319,15 @@ async def _open_turn(
         raise
     cancel = service.turn_started()
     stops = request.stop_list()
-    run = TurnRun(session, plan.text, stops=stops, deadline=deadline, cancel=cancel, before=before)
+    run = TurnRun(
+        session,
+        plan.text,
+        stops=stops,
+        deadline=deadline,
+        cancel=cancel,
+        before=before,
+        settings=generation,
+    )
     return _Turn(
         service=service,
         tenant=tenant,

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 
+from chatctx.config import GenerationSettings
 from chatctx.session import ChatSession, Reply
 
 __all__ = ["Cut", "TurnRun"]
@@ -75,14 +76,16 @@ class TurnRun:
         deadline: float,
         cancel: Cut,
         before: Callable[[], None] | None = None,
+        settings: GenerationSettings | None = None,
     ) -> None:
         self.session = session
         self.stops = stops
         self.deadline = deadline  # loop.time() when the reply is cut
         self.cancel = cancel  # set when the server drains
         self._before = session.last_reply
-        # ``before`` (storing what the request adds) runs in the turn's own worker thread
-        self._stream: AsyncIterator[str] = session.astream(text, before=before)
+        # ``before`` (storing what the request adds) runs in the turn's own worker thread;
+        # the request's sampling is stored with its user message
+        self._stream: AsyncIterator[str] = session.astream(text, before=before, settings=settings)
         self.raw = ""  # what the model wrote (for a stop: up to it)
         self.sent = 0  # characters of ``raw`` handed out
         self.cut: str | None = None  # "stop" | "timeout" | "drain" | "gone"

@@ -87,9 +87,13 @@ def _turn(row: TurnRow) -> Turn:
 
 
 def _append(
-    session: Session, conversation_id: str, messages: Sequence[Mapping[str, Any]]
+    session: Session,
+    conversation_id: str,
+    messages: Sequence[Mapping[str, Any]],
+    settings: dict[str, Any] | None = None,
 ) -> list[MessageRow]:
-    """Append messages at the conversation's next positions (inside a write transaction)."""
+    """Append messages at the conversation's next positions (inside a write transaction);
+    ``settings`` replace the conversation's."""
     for message in messages:
         if message["role"] not in ROLES:
             raise StoreError(f"unknown role {message['role']!r}")
@@ -98,6 +102,8 @@ def _append(
     conversation = session.get(ConversationRow, conversation_id, with_for_update=True)
     if conversation is None:
         raise ConversationNotFound(conversation_id)
+    if settings is not None:
+        conversation.settings = settings
     last = session.scalar(
         select(func.max(MessageRow.position)).where(MessageRow.conversation_id == conversation_id)
     )
@@ -335,8 +341,10 @@ class Store(PlacementStore, CacheMixin, Closeable):
         name: str | None = None,
         tool_call_id: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        conversation_settings: dict[str, Any] | None = None,
     ) -> Message:
-        """Append a message and commit it at once."""
+        """Append a message and commit it at once (with ``conversation_settings``, the
+        conversation's new settings, in the same transaction)."""
         return self.add_messages(
             conversation_id,
             [
@@ -349,18 +357,25 @@ class Store(PlacementStore, CacheMixin, Closeable):
                     "tool_calls": tool_calls,
                 }
             ],
+            settings=conversation_settings,
         )[0]
 
     @_retry_busy
     def add_messages(
-        self, conversation_id: str, messages: Sequence[dict[str, Any]]
+        self,
+        conversation_id: str,
+        messages: Sequence[dict[str, Any]],
+        *,
+        settings: dict[str, Any] | None = None,
     ) -> list[Message]:
-        """Append several messages in one transaction (all or none)."""
+        """Append several messages in one transaction (all or none); ``settings`` replace
+        the conversation's in the same transaction."""
         for message in messages:
             if message["role"] not in ROLES:
                 raise StoreError(f"unknown role {message['role']!r}")
         with self._session(write=True) as session:
-            return [_message(row) for row in _append(session, conversation_id, messages)]
+            rows = _append(session, conversation_id, messages, settings)
+            return [_message(row) for row in rows]
 
     @_retry_busy
     def update_message(self, message_id: int, *, content: str, status: str) -> Message:
