@@ -21,8 +21,10 @@ from chatctx.context._recall import (
     RECALL_HEADER,
     RecallSearch,
     asks_back,
+    drop_said,
     fit_recall,
     group_hits,
+    known_text,
     render_section,
     repeats,
     snippet,
@@ -367,7 +369,14 @@ class ContextBuilder:
         # Recall ranks below the summary: it only gets room the summary left (none when the
         # summary itself had to give way).
         room = 0 if plan.summary_omitted else min(s.recall_budget, budget - total)
-        recalled = self._recall(plan, new_message, window_start, pinned_ids, room=room)
+        recalled = self._recall(
+            plan,
+            new_message,
+            window_start,
+            pinned_ids,
+            room=room,
+            said=lambda: [str(m.get("content") or "") for m in assemble(sent_summary, turns, new)],
+        )
         while True:
             recall_text = render_section([(m, t) for m, t, _ in recalled]) if recalled else None
             messages = assemble(sent_summary, turns, new, recall_text)
@@ -441,9 +450,17 @@ class ContextBuilder:
         return s.recall_trigger == "always" or asks_back(message)
 
     def _recall(
-        self, plan: ContextPlan, query: str, window_start: int, pinned_ids: set[int], *, room: int
+        self,
+        plan: ContextPlan,
+        query: str,
+        window_start: int,
+        pinned_ids: set[int],
+        *,
+        room: int,
+        said: Callable[[], list[str]],
     ) -> list[tuple[Message, str, float]]:
-        """What to recall for this prompt: (message, text sent, score), best first."""
+        """What to recall for this prompt: (message, text sent, score), best first. ``said``
+        gives the rest of the prompt's texts: a sentence it holds is not recalled again."""
         s, search = self.settings, self.recall
         if search is None or window_start <= 0 or not self._recalls(query):
             return []
@@ -460,6 +477,8 @@ class ContextBuilder:
             for h in group_hits(found)
             if h.message.id not in pinned_ids and not repeats(h.message, query)
         ][: s.recall_k]
+        if hits:
+            hits = drop_said(hits, known_text(said()))
         pick = getattr(self.recall, "snippet", snippet)  # a search may rank sentences itself
         chosen = fit_recall(hits, query, room, self._section_cost(), pick)
         # The choice used an estimate; the section's exact cost decides.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from chatctx.store import Message
@@ -85,6 +85,38 @@ def _normalized(text: str) -> list[str]:
 def repeats(message: Message, query: str) -> bool:
     """Whether ``message`` says word for word what the new message says: nothing to add."""
     return _normalized(message.content) == _normalized(query)
+
+
+def known_text(texts: Sequence[str]) -> str:
+    """What a prompt already says, for ``unsaid``: its words, normalized, space-delimited."""
+    return " " + " ".join(" ".join(_normalized(t)) for t in texts) + " "
+
+
+def unsaid(message: Message, known: str) -> Message | None:
+    """``message`` less the sentences the prompt already says word for word (``known``, from
+    ``known_text``: an extractive summary often holds the very sentence a search finds), or
+    None when nothing is left. Recalling them again would cost tokens and add nothing."""
+    parts = sentences(message.content)
+    kept = [s for _, s in parts if f" {' '.join(_normalized(s))} " not in known]
+    if not any(_normalized(s) for s in kept):
+        return None
+    if len(kept) == len(parts):
+        return message
+    return replace(message, content="\n".join(kept))
+
+
+def drop_said(hits: Sequence[Hit], known: str) -> list[Hit]:
+    """``hits`` with what the prompt already says taken out (``unsaid``); a hit whose message
+    is all said keeps its reply's news, as a hit of its own."""
+    out: list[Hit] = []
+    for hit in hits:
+        message = unsaid(hit.message, known)
+        reply = unsaid(hit.reply, known) if hit.reply is not None else None
+        if message is not None:
+            out.append(Hit(message, reply, hit.score))
+        elif reply is not None:
+            out.append(Hit(reply, None, hit.score))
+    return out
 
 
 def group_hits(found: Sequence[tuple[Message, float]]) -> list[Hit]:

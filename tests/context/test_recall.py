@@ -315,3 +315,51 @@ def test_a_question_gets_its_recall_room_from_the_oldest_kept_turns(
     expected = [{"role": "system", "content": SYSTEM}, *[m.to_openai() for m in rest]]
     end = p.sections["system"] + p.sections["history"]
     assert asked.tokens[:end] == render(llama3_codec, expected)[:end]
+
+
+def test_what_the_prompt_already_says_is_not_recalled_again(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    # An extractive summary holds the allergy sentence word for word (case and punctuation
+    # aside); the locker code and the reply about the parking spot are news.
+    both = add_turn(
+        store,
+        "I'm allergic to shellfish. My locker code is 4411.",
+        "Noted, no shellfish and code 4411.",
+    )
+    said = add_turn(store, "I parked on level 3.", "Got it: level three, spot 12.")
+    kept = add_turn(store, FILLER[2], "Sounds tiring.")
+    summary = "Earlier: i'm ALLERGIC to shellfish! I parked on level 3"
+    state = ContextState(window_start=kept[0].position, summary=summary, summary_tokens=20)
+    built = builder(llama3_codec, store).build(
+        system_prompt=SYSTEM,
+        history=store.messages("c", from_position=state.window_start),
+        new_message="Remind me: my shellfish thing, locker code, and where I parked?",
+        budget=2000,
+        state=state,
+    )
+    section = built.messages[-2]["content"]
+    assert section.startswith(RECALL_HEADER)
+    lines = section.removeprefix(RECALL_HEADER).splitlines()
+    # Hand-computed: the user message less its first sentence; its reply whole; the parking
+    # message is all said, so its reply comes alone.
+    assert lines == [
+        "- user: My locker code is 4411.",
+        "- assistant: Noted, no shellfish and code 4411.",
+        "- assistant: Got it: level three, spot 12.",
+    ]
+    # Chosen in this order: the matches (the parking reply standing in for its message), then
+    # the replies of matches sent whole.
+    assert built.plan.recalled_ids == [both[0].id, said[1].id, both[1].id]
+    # When the prompt says all of it, nothing is recalled.
+    everything = summary + " My locker code is 4411. Noted, no shellfish and code 4411. "
+    state = ContextState(window_start=kept[0].position, summary=everything + said[1].content)
+    built = builder(llama3_codec, store).build(
+        system_prompt=SYSTEM,
+        history=store.messages("c", from_position=state.window_start),
+        new_message="Remind me: my shellfish thing, locker code, and where I parked?",
+        budget=2000,
+        state=state,
+    )
+    assert built.plan.recalled_ids == []
+    assert RECALL_HEADER not in str(built.messages[-2]["content"])
