@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from chatctx import ConfigError, DeadlineExceeded, Engine, GenerationSettings
+from chatctx.backend import Lease
 from chatctx.engine._scheduler import PREFILL_CHUNK
 from chatctx.engine._slots import SlotPool
 from chatctx.engine._swap import SwapHit
@@ -130,30 +131,33 @@ def test_a_summary_deadline_holds_while_it_steps_aside(smollm2_path: Path) -> No
     # deadline used to be checked only when it produced a token, so it waited the whole
     # prefill out, and then raised the builtin TimeoutError.
     with Engine.load(smollm2_path, n_ctx=2048, slots=1) as engine:
+        calls = record_decodes(engine)
         long_prompt = [1, *range(1000, 1000 + 1900)]
         customer = engine.generate(long_prompt, seq_id=0, settings=GenerationSettings(max_tokens=1))
         chunks = iter(customer)
         done = threading.Thread(target=lambda: [None for _ in chunks], daemon=True)
         done.start()
         _wait_for(lambda: customer._job.state in ("prefill", "decode", "done"))
-        started = time.monotonic()
+        deadline = time.perf_counter() + 0.3
         with pytest.raises(DeadlineExceeded):
             engine.side_generate(
                 [1, *range(3000, 3064)],
                 settings=GenerationSettings(max_tokens=32),
                 background=True,
-                deadline=started + 0.3,
+                deadline=time.monotonic() + 0.3,
             )
-        waited = time.monotonic() - started
+        raised = time.perf_counter()
         still_prefilling = customer.result is None
         done.join()
         assert customer.result is not None
-        prefill_s = customer.result.timings.prefill_ms / 1000
     assert still_prefilling, "the customer's prefill was too short to test stepping aside"
     # Stopped within a step or two of its deadline (the lock is taken between steps, and a
-    # step is one prompt chunk here), long before the customer's prefill ended.
-    step_s = prefill_s / -(-len(long_prompt) // PREFILL_CHUNK)
-    assert waited < 0.3 + 2 * step_s + 0.3 < prefill_s, (waited, step_s, prefill_s)
+    # step is one prompt chunk here), long before the customer's prefill ended: counted in
+    # the customer's chunks llama.cpp evaluated, not in seconds (a loaded machine stretches
+    # every chunk alike).
+    prefill = [(start, end) for parts, start, end in calls if parts.get(0, 0) > 1]
+    after = [(start, end) for start, end in prefill if start >= deadline and end <= raised]
+    assert len(after) <= 2 < len(prefill) - len(after), (len(after), len(prefill))
 
 
 def test_swapping_in_runs_outside_the_pool_lock() -> None:
@@ -177,3 +181,69 @@ def test_swapping_in_runs_outside_the_pool_lock() -> None:
     pool.release(pool.lease("fast"))  # its own slot, while "slow" is being restored
     assert time.monotonic() - started < 0.2
     waiter.join()
+
+
+def _pool(n: int) -> SlotPool:
+    return SlotPool(n, swap_out=lambda seq, owner: None, swap_in=lambda seq, owner: (NO_SWAP, 0.0))
+
+
+NO_SWAP = SwapHit(None, None, None)
+
+
+def _wait_for_line(pool: SlotPool, length: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(pool._line) < length:
+        assert time.monotonic() < deadline, "a waiter never got in line"
+        time.sleep(0.005)
+
+
+def test_a_freed_slot_goes_to_the_longest_waiting_conversation() -> None:
+    # The oracle is the order the customers asked in (each one is in line before the next
+    # asks). Before, every waiter was woken and the first thread to run took the slot.
+    pool = _pool(1)
+    first = pool.lease("a")
+    served: list[str] = []
+
+    def customer(name: str) -> None:
+        lease = pool.lease(name, timeout=10)
+        served.append(name)
+        time.sleep(0.01)  # the others wake meanwhile and find the slot taken
+        pool.release(lease)
+
+    threads = []
+    for k, name in enumerate(["b", "c", "d", "e", "f"], start=1):
+        threads.append(threading.Thread(target=customer, args=(name,), daemon=True))
+        threads[-1].start()
+        _wait_for_line(pool, k)
+    pool.release(first)
+    for thread in threads:
+        thread.join(10)
+    assert served == ["b", "c", "d", "e", "f"]
+
+
+def test_a_newcomer_does_not_take_the_slot_a_waiting_conversation_is_owed() -> None:
+    pool = _pool(1)
+    first = pool.lease("a")
+    got: list[Lease] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.lease("b", timeout=10)))
+    waiter.start()
+    _wait_for_line(pool, 1)
+    pool.release(first)
+    # Straight after the release, before "b" has woken: the newcomer waits its turn.
+    with pytest.raises(DeadlineExceeded):
+        pool.lease("newcomer", timeout=0.3)
+    waiter.join(10)
+    assert [lease.owner for lease in got] == ["b"]
+    # The returning owner of an idle slot takes it at once: that costs no one a swap.
+    pool.release(got[0])
+    assert pool.lease("b", timeout=0).seq_id == 0
+
+
+def test_a_waiter_that_gives_up_leaves_the_line() -> None:
+    pool = _pool(1)
+    first = pool.lease("a")
+    with pytest.raises(DeadlineExceeded):
+        pool.lease("impatient", timeout=0.05)
+    assert len(pool._line) == 0
+    pool.release(first)
+    assert pool.lease("next", timeout=1).owner == "next"
