@@ -8,6 +8,7 @@ gets next. The summary sequence is reserved and never leased.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -59,6 +60,9 @@ class SlotPool:
         self._closed = False
         self._tickets = itertools.count(1)
         self._moving: set[str] = set()  # owners whose state is being saved or restored
+        # Conversations waiting for a slot, in arrival order: a freed slot goes to the one
+        # waiting longest, never to whichever thread wakes first or comes last.
+        self._line: collections.deque[tuple[object, str]] = collections.deque()
 
     def owner_of(self, seq_id: int) -> str | None:
         return self.slots[seq_id].owner if seq_id < len(self.slots) else None
@@ -69,6 +73,10 @@ class SlotPool:
     def lease(self, owner: str, *, timeout: float | None = None) -> Lease:
         """A slot for ``owner``'s turn: its own if still there, else a free or LRU idle one.
 
+        While any wait, slots go in the order conversations asked: a returning conversation
+        whose own slot is idle waits its turn too (its slot is the least recently used one the
+        first in line takes), so a busy pool serves everyone alike instead of whoever comes
+        back fastest.
         Waits while every slot is leased (or ``owner`` has a turn in flight, or its state is
         being moved); ``timeout`` seconds at most, then ``DeadlineExceeded``. Saving the
         loser's state and restoring ``owner``'s (disk reads, llama.cpp's state calls) run
@@ -78,32 +86,42 @@ class SlotPool:
         victim: _Slot | None = None
         loser: str | None = None
         with self._cv:
-            while True:
-                self._check_open()
-                slot = self.slot_of(owner)
-                if owner in self._moving:
-                    pass  # its state is being saved or restored: wait for it
-                elif slot is not None and slot.leased and slot.thread == threading.get_ident():
-                    raise ConfigError(
-                        f"conversation {owner!r} already has a turn in flight in this thread"
-                    )
-                elif slot is not None and not slot.leased:
-                    self._take(slot)
-                    lease = Lease(owner, slot.seq_id, ticket=slot.ticket)
-                    break
-                elif slot is None and (victim := self._victim()) is not None:
-                    loser, victim.owner = victim.owner, owner
-                    self._take(victim)
-                    self._moving.update(o for o in (owner, loser) if o is not None)
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise DeadlineExceeded(
-                        f"no slot free for conversation {owner!r} within {timeout} s",
-                        what="slot",
-                        seconds=timeout,
-                    )
-                self._cv.wait(left)
+            turn: object | None = None  # our place in the line, once we wait
+            try:
+                while True:
+                    self._check_open()
+                    slot = self.slot_of(owner)
+                    if owner in self._moving:
+                        pass  # its state is being saved or restored: wait for it
+                    elif slot is not None and slot.leased and slot.thread == threading.get_ident():
+                        raise ConfigError(
+                            f"conversation {owner!r} already has a turn in flight in this thread"
+                        )
+                    elif self._next_in_line(turn):
+                        if slot is not None and not slot.leased:
+                            self._take(slot)
+                            lease = Lease(owner, slot.seq_id, ticket=slot.ticket)
+                            break
+                        if slot is None and (victim := self._victim()) is not None:
+                            loser, victim.owner = victim.owner, owner
+                            self._take(victim)
+                            self._moving.update(o for o in (owner, loser) if o is not None)
+                            break
+                    if turn is None:
+                        turn = object()
+                        self._line.append((turn, owner))
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise DeadlineExceeded(
+                            f"no slot free for conversation {owner!r} within {timeout} s",
+                            what="slot",
+                            seconds=timeout,
+                        )
+                    self._cv.wait(left)
+            finally:
+                if turn is not None:  # served, timed out or closed: the next in line goes
+                    self._line.remove((turn, owner))
+                    self._cv.notify_all()
         if victim is None:
             self._on_change()
             return lease
@@ -242,6 +260,16 @@ class SlotPool:
         slot.thread = threading.get_ident()
         slot.last_use = time.monotonic()
         slot.last_use_wall = datetime.now(UTC).isoformat()
+
+    def _next_in_line(self, turn: object | None) -> bool:
+        """Whether the holder of ``turn`` (None: not in line yet) is first of those in line
+        who could take a slot now (a conversation whose state is being moved, or whose own
+        slot is busy with another of its turns, waits for that and holds no one up)."""
+        for waiting, owner in self._line:
+            slot = self.slot_of(owner)
+            if owner not in self._moving and (slot is None or not slot.leased):
+                return waiting is turn
+        return turn is None
 
     def _victim(self) -> _Slot | None:
         free = [s for s in self.slots if s.owner is None and not s.leased and not s.pinned]

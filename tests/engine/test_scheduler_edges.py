@@ -221,7 +221,10 @@ def test_a_freed_slot_goes_to_the_longest_waiting_conversation() -> None:
     assert served == ["b", "c", "d", "e", "f"]
 
 
-def test_a_newcomer_does_not_take_the_slot_a_waiting_conversation_is_owed() -> None:
+@pytest.mark.parametrize("barger", ["newcomer", "a"])
+def test_no_one_takes_the_slot_a_waiting_conversation_is_owed(barger: str) -> None:
+    # "a" is the slot's own conversation coming straight back: with someone in line it
+    # waits its turn too (its idle slot is what the first in line takes).
     pool = _pool(1)
     first = pool.lease("a")
     got: list[Lease] = []
@@ -229,12 +232,12 @@ def test_a_newcomer_does_not_take_the_slot_a_waiting_conversation_is_owed() -> N
     waiter.start()
     _wait_for_line(pool, 1)
     pool.release(first)
-    # Straight after the release, before "b" has woken: the newcomer waits its turn.
+    # Straight after the release, before "b" has woken: the barger waits its turn.
     with pytest.raises(DeadlineExceeded):
-        pool.lease("newcomer", timeout=0.3)
+        pool.lease(barger, timeout=0.3)
     waiter.join(10)
     assert [lease.owner for lease in got] == ["b"]
-    # The returning owner of an idle slot takes it at once: that costs no one a swap.
+    # With no one in line, the owner of an idle slot takes it at once (no swap).
     pool.release(got[0])
     assert pool.lease("b", timeout=0).seq_id == 0
 
