@@ -239,10 +239,12 @@ def test_threads_on_one_engine_get_their_own_tokens(tiny_llama3_path: Path) -> N
 
 
 def test_closing_the_engine_ends_running_streams(tiny_llama3_path: Path) -> None:
-    settings = GenerationSettings(temperature=0.0, max_tokens=200)
+    # Long replies (about 8 s each here): 200 tokens took 0.8 s, and once, in CI, all four
+    # had ended on their own before close() came.
+    settings = GenerationSettings(temperature=0.0, max_tokens=2000)
     results: list[Any] = []
     errors: list[BaseException] = []
-    engine = Engine.load(tiny_llama3_path, n_ctx=512, slots=4)
+    engine = Engine.load(tiny_llama3_path, n_ctx=2048, slots=4)
     started = threading.Barrier(5)
 
     def run(i: int) -> None:

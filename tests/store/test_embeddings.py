@@ -20,7 +20,14 @@ from chatctx.engine._embedder import Embedder, shared_embedder
 from chatctx.replay import DryBackend
 from chatctx.store import Store
 
-CONTEXT = {"budget": 160, "recall_search": "meaning", "recall_trigger": "always"}
+# No summary: an extractive one would hold the fact word for word, and recall leaves out
+# what the prompt already says.
+CONTEXT = {
+    "budget": 160,
+    "summarizer": "none",
+    "recall_search": "meaning",
+    "recall_trigger": "always",
+}
 FACT = "my locker number is 4412 and it is in the east wing"
 QUESTION = "where do I keep my gym things?"
 
