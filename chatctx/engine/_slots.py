@@ -77,6 +77,7 @@ class SlotPool:
         whose own slot is idle waits its turn too (its slot is the least recently used one the
         first in line takes), so a busy pool serves everyone alike instead of whoever comes
         back fastest.
+
         Waits while every slot is leased (or ``owner`` has a turn in flight, or its state is
         being moved); ``timeout`` seconds at most, then ``DeadlineExceeded``. Saving the
         loser's state and restoring ``owner``'s (disk reads, llama.cpp's state calls) run
@@ -262,14 +263,20 @@ class SlotPool:
         slot.last_use_wall = datetime.now(UTC).isoformat()
 
     def _next_in_line(self, turn: object | None) -> bool:
-        """Whether the holder of ``turn`` (None: not in line yet) is first of those in line
-        who could take a slot now (a conversation whose state is being moved, or whose own
-        slot is busy with another of its turns, waits for that and holds no one up)."""
+        """Whether the holder of ``turn`` (None: not in line yet) is the first in line who
+        can take a slot now: one who cannot (its state is being moved, its own slot is busy
+        with another of its turns, or no slot is free for it) holds no one up, such as the
+        owner of an idle pinned slot, which no one else may take."""
         for waiting, owner in self._line:
-            slot = self.slot_of(owner)
-            if owner not in self._moving and (slot is None or not slot.leased):
+            if self._can_take(owner):
                 return waiting is turn
         return turn is None
+
+    def _can_take(self, owner: str) -> bool:
+        if owner in self._moving:
+            return False
+        slot = self.slot_of(owner)
+        return not slot.leased if slot is not None else self._victim() is not None
 
     def _victim(self) -> _Slot | None:
         free = [s for s in self.slots if s.owner is None and not s.leased and not s.pinned]

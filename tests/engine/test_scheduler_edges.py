@@ -250,3 +250,18 @@ def test_a_waiter_that_gives_up_leaves_the_line() -> None:
     assert len(pool._line) == 0
     pool.release(first)
     assert pool.lease("next", timeout=1).owner == "next"
+
+
+def test_the_owner_of_an_idle_pinned_slot_never_waits_in_line() -> None:
+    # No one else may take a pinned slot, so a conversation waiting for a slot holds its
+    # owner up for nothing.
+    pool = _pool(2)
+    pool.pin("pinned", 0)
+    busy = pool.lease("busy")  # slot 1
+    waiter = threading.Thread(target=lambda: pool.release(pool.lease("waiting", timeout=10)))
+    waiter.start()
+    _wait_for_line(pool, 1)
+    assert pool.lease("pinned", timeout=0.5).seq_id == 0
+    pool.release(busy)
+    waiter.join(10)
+    assert not waiter.is_alive()
