@@ -267,16 +267,14 @@ class SlotPool:
         can take a slot now: one who cannot (its state is being moved, its own slot is busy
         with another of its turns, or no slot is free for it) holds no one up, such as the
         owner of an idle pinned slot, which no one else may take."""
+        room = self._victim() is not None  # the same for every waiter without a slot
         for waiting, owner in self._line:
-            if self._can_take(owner):
+            if owner in self._moving:
+                continue
+            slot = self.slot_of(owner)
+            if not slot.leased if slot is not None else room:
                 return waiting is turn
         return turn is None
-
-    def _can_take(self, owner: str) -> bool:
-        if owner in self._moving:
-            return False
-        slot = self.slot_of(owner)
-        return not slot.leased if slot is not None else self._victim() is not None
 
     def _victim(self) -> _Slot | None:
         free = [s for s in self.slots if s.owner is None and not s.leased and not s.pinned]

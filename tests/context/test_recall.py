@@ -330,14 +330,17 @@ def test_what_the_prompt_already_says_is_not_recalled_again(
     said = add_turn(store, "I parked on level 3.", "Got it: level three, spot 12.")
     kept = add_turn(store, FILLER[2], "Sounds tiring.")
     summary = "Earlier: i'm ALLERGIC to shellfish! I parked on level 3"
-    state = ContextState(window_start=kept[0].position, summary=summary, summary_tokens=20)
-    built = builder(llama3_codec, store).build(
-        system_prompt=SYSTEM,
-        history=store.messages("c", from_position=state.window_start),
-        new_message="Remind me: my shellfish thing, locker code, and where I parked?",
-        budget=2000,
-        state=state,
-    )
+
+    def ask(summary: str) -> BuildResult:
+        return builder(llama3_codec, store).build(
+            system_prompt=SYSTEM,
+            history=store.messages("c", from_position=kept[0].position),
+            new_message="Remind me: my shellfish thing, locker code, and where I parked?",
+            budget=2000,
+            state=ContextState(window_start=kept[0].position, summary=summary),
+        )
+
+    built = ask(summary)
     section = built.messages[-2]["content"]
     assert section.startswith(RECALL_HEADER)
     lines = section.removeprefix(RECALL_HEADER).splitlines()
@@ -353,13 +356,6 @@ def test_what_the_prompt_already_says_is_not_recalled_again(
     assert built.plan.recalled_ids == [both[0].id, said[1].id, both[1].id]
     # When the prompt says all of it, nothing is recalled.
     everything = summary + " My locker code is 4411. Noted, no shellfish and code 4411. "
-    state = ContextState(window_start=kept[0].position, summary=everything + said[1].content)
-    built = builder(llama3_codec, store).build(
-        system_prompt=SYSTEM,
-        history=store.messages("c", from_position=state.window_start),
-        new_message="Remind me: my shellfish thing, locker code, and where I parked?",
-        budget=2000,
-        state=state,
-    )
+    built = ask(everything + said[1].content)
     assert built.plan.recalled_ids == []
     assert RECALL_HEADER not in str(built.messages[-2]["content"])
