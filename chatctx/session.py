@@ -71,6 +71,18 @@ MAX_FAILOVERS = 2  # a turn whose backend fails before its first token is retrie
 
 
 @dataclass(frozen=True, slots=True)
+class _Built:
+    """One build of a turn's context and what it was built from (per call: two threads
+    building on one session never see each other's reads)."""
+
+    result: BuildResult
+    generation: GenerationSettings  # the turn's sampling
+    context: ContextSettings
+    stored_generation: GenerationSettings  # the conversation's, as read
+    state_version: int  # of the context state read: the save compares and sets against it
+
+
+@dataclass(frozen=True, slots=True)
 class Reply:
     """The assistant's answer to one user message, with what it cost."""
 
@@ -136,7 +148,6 @@ class ChatSession(Closeable):
         self.last_reply: Reply | None = None
         self.last_build: BuildResult | None = None  # the context sent on the last turn
         self._closed = False
-        self._state_version = 0  # the context state's version the last build read
         if seq_id is not None:
             engine.pin(conversation_id, seq_id)
 
@@ -441,21 +452,17 @@ class ChatSession(Closeable):
         self.builder()  # made now, so that a background summarizer is there to peek at
         background = self._background
         if background is None:
-            return self._build(new_message)[0]
+            return self._build(new_message).result
         with background.peeking():
-            return self._build(new_message)[0]
+            return self._build(new_message).result
 
-    def _build(
-        self, new_message: str, sampling: GenerationSettings | None = None
-    ) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
+    def _build(self, new_message: str, sampling: GenerationSettings | None = None) -> _Built:
         """The context for ``new_message``, with the settings it was built under (one read;
         ``sampling`` in place of the stored generation settings)."""
         conversation = self.store.get_conversation(self.conversation_id)
         parsed = ConversationSettings.parse(conversation.settings)
-        self._stored_generation = parsed.generation
         generation, context = sampling or parsed.generation, parsed.context
         stored = self.store.context_state(self.conversation_id)
-        self._state_version = stored.version
         state = ContextState(
             window_start=stored.window_start,
             summary=stored.summary.content if stored.summary else None,
@@ -474,7 +481,7 @@ class ChatSession(Closeable):
             state=state,
             pinned=self.store.pinned_messages(self.conversation_id),
         )
-        return built, generation, context
+        return _Built(built, generation, context, parsed.generation, stored.version)
 
     def _summary_input_tokens(self) -> int:
         # Evicted turns are folded in chunks of this many tokens; with the summary's output
@@ -632,14 +639,17 @@ class ChatSession(Closeable):
             self._lease_slot(turn)
             clock = (requested, time.perf_counter())
             self._turn_under_way.clear()
-            built, generation, context = self._prepare(text, sampling)
+            prepared = self._prepare(text, sampling)
+            context = prepared.context
             # Sampling given with the turn is stored with its user message (one transaction).
             turn.settings = (
                 None
-                if sampling is None or sampling == self._stored_generation
+                if sampling is None or sampling == prepared.stored_generation
                 else ConversationSettings(generation=sampling, context=context).to_json()
             )
-            stream = self._stream(turn, text, built, generation, context.eviction, clock, replies)
+            stream = self._stream(
+                turn, text, prepared.result, prepared.generation, context.eviction, clock, replies
+            )
         except BaseException:
             self._turn_under_way.set()
             self._end_turn(turn)
@@ -717,7 +727,8 @@ class ChatSession(Closeable):
         leased: tuple[float, float],
         lease: Lease,
     ) -> Reply:
-        built, _, context = self._prepare(text)
+        prepared = self._prepare(text)
+        built, context = prepared.result, prepared.context
         with turn.lock:
             self._check_open()
             built_at = time.perf_counter()
@@ -755,17 +766,15 @@ class ChatSession(Closeable):
             self.last_reply = stored
         return stored
 
-    def _prepare(
-        self, text: str, sampling: GenerationSettings | None = None
-    ) -> tuple[BuildResult, GenerationSettings, ContextSettings]:
+    def _prepare(self, text: str, sampling: GenerationSettings | None = None) -> _Built:
         """Build the context for ``text`` and persist what the builder decided."""
         self._check_open()
         if not text.strip():
             raise ConfigError("empty message")
         for attempt in range(1, STATE_ATTEMPTS + 1):
             # raises ContextBudgetError before anything is stored
-            built, generation, context = self._build(text, sampling)
-            self.last_build = built
+            prepared = self._build(text, sampling)
+            built = self.last_build = prepared.result
             plan = built.plan
             if not (
                 plan.evicted
@@ -788,7 +797,7 @@ class ChatSession(Closeable):
                     window_start=built.state.window_start,
                     pending_ids=built.state.pending_ids,
                     new_summary=new_summary,
-                    expected_version=self._state_version,
+                    expected_version=prepared.state_version,
                     summary_blocks=built.state.summary_blocks,
                 )
             except ContextStateConflict:
@@ -799,7 +808,7 @@ class ChatSession(Closeable):
                 )
                 continue
             break
-        return built, generation, context
+        return prepared
 
     def _stream(
         self,

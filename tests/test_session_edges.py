@@ -295,3 +295,56 @@ def _catch(into: list[BaseException], call: Any) -> None:
         call()
     except BaseException as exc:
         into.append(exc)
+
+
+def test_a_plan_between_a_turns_build_and_its_save_does_not_hide_another_writer(
+    db_url: str, llama3_engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another process saves the conversation's context state while this turn is between its
+    # build and its save, and a plan() on the same session reads that newer state. The turn
+    # must still compare-and-set against the version it built from: it is refused, builds
+    # again on the other writer's summary and keeps it. (The version used to be kept on the
+    # session, where the plan overwrote it and the turn's save silently won.)
+    with ChatSession.open(
+        db_url,
+        model=llama3_engine,
+        settings={"max_tokens": 1, "temperature": 0.0},
+        context={"budget": 160, "reserve": 8, "recall": False},
+    ) as chat:
+        cid = chat.conversation_id
+        for turn in range(30):
+            chat.record_turn(f"turn {turn}: my order NH-{4000 + turn} " + "words " * 8, "ok")
+            if chat.store.context_state(cid).summary is not None:
+                break
+        else:
+            pytest.fail("no summary was written")
+        builder = chat.builder()
+        build = builder.build
+        builds: list[int] = []
+
+        def interleaved(**kwargs: Any) -> Any:
+            built = build(**kwargs)
+            builds.append(1)
+            if len(builds) == 1:
+                with Store(db_url) as other:
+                    state = other.context_state(cid)
+                    other.save_context_state(
+                        cid,
+                        window_start=state.window_start,
+                        new_summary=("Facts: FOREIGN-1", [], 5, built.fingerprint),
+                        expected_version=state.version,
+                    )
+                chat.plan("just looking")  # reads the other writer's version
+            return built
+
+        builder.build = interleaved  # type: ignore[method-assign]
+        caplog.set_level(logging.INFO, logger="chatctx.session")
+        for turn in range(30, 60):
+            chat.record_turn(f"turn {turn}: my order NH-{4000 + turn} " + "words " * 8, "ok")
+            if builds and len(builds) > 2:
+                break
+        # The turn's save was refused (the oracle: the store's compare-and-set) ...
+        assert "changed meanwhile: built again" in caplog.text
+        # ... and the other writer's summary was built on, not overwritten.
+        summary = chat.store.context_state(cid).summary
+        assert summary is not None and "FOREIGN-1" in summary.content
