@@ -114,16 +114,11 @@ def test_a_changed_summary_goes_in_chunks_beside_a_running_stream(tiny_llama3_pa
     mine = [(i, c[1]) for i, (c, _, _) in enumerate(calls) if 1 in c]
     assert sum(n for _, n in mine) == insert + 20
     assert all(len(calls[i][0]) == 1 and n <= PREFILL_CHUNK for i, n in mine)
-    # ... and the stream advanced between any two of them: it waited one chunk at most,
-    # measured around the decode calls.
-    streaming = [(start, end) for c, start, end in calls if c == {0: 1}]
-    first, last = calls[mine[0][0]][1], calls[mine[-1][0]][2]
-    during = [s for s in streaming if first <= s[0] <= last]
-    assert len(during) >= len(mine) - 1
-    chunk_s = max(calls[i][2] - calls[i][1] for i, _ in mine)
-    step_s = max(end - start for start, end in streaming)
-    gaps = [b[0] - a[1] for a, b in itertools.pairwise(during)]
-    assert max(gaps) <= chunk_s + step_s + 0.05, (max(gaps), chunk_s, step_s)
+    # ... and the stream advanced between any two of them: it waited one chunk at most.
+    # Counted in the order of the decode calls, not timed (a loaded machine cannot break it).
+    streaming = {i for i, (c, _, _) in enumerate(calls) if c == {0: 1}}
+    for (a, _), (b, _) in itertools.pairwise(mine):
+        assert any(a < i < b for i in streaming), (a, b)
 
 
 def test_a_summary_deadline_holds_while_it_steps_aside(smollm2_path: Path) -> None:
