@@ -440,6 +440,7 @@ def add_decode(sub: Any) -> None:
 
 SCALE_ROWS = {
     "router": "(i) chatctx Router (rendezvous, sticky placement), a LlamaServerBackend per server",
+    "router-swap": "(i+) the same, swap=True: a slot given away is saved to --slot-save-path",
     "rendezvous": "(i') raw HTTP, the router's rendezvous function, id_slot -1",
     "round-robin": "(ii) raw HTTP, round-robin over servers per request, id_slot -1",
     "random": "(ii') raw HTTP, a random server per request, id_slot -1",
@@ -541,7 +542,10 @@ def raw_scale(
 
 
 def router_scale(
-    args: argparse.Namespace, urls: Sequence[str], chats: dict[str, list[dict[str, str]]]
+    args: argparse.Namespace,
+    urls: Sequence[str],
+    chats: dict[str, list[dict[str, str]]],
+    swap_to: Sequence[Path] | None = None,
 ) -> tuple[int, int, int, float]:
     from chatctx.router import Router
     from chatctx.session import ChatSession
@@ -552,7 +556,15 @@ def router_scale(
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(f"sqlite:///{tmp}/scale.db")
         # No summary slot: these chats never evict, and the raw setups get every slot too.
-        backends = [module.LlamaServerBackend(u, model=model, summary_slot=False) for u in urls]
+        backends = [
+            module.LlamaServerBackend(
+                u,
+                model=model,
+                summary_slot=False,
+                **({"slot_save_path": swap_to[i], "swap": True} if swap_to else {}),
+            )
+            for i, u in enumerate(urls)
+        ]
         router = Router(backends, store=store, own=True)
         sessions: dict[str, Any] = {}
         lock = threading.Lock()
@@ -616,12 +628,16 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
     )
     print("|---" * 8 + "|")
     for setup in args.setups.split(","):
-        if setup == "router" and module is None:
+        if setup.startswith("router") and module is None:
             print(f"| {SCALE_ROWS[setup]} | (chatctx.llama_server not available) |" + " |" * 6)
             continue
         one = setup == "one-server"
         counts = [1] if one else [args.slots] * args.servers
         with contextlib.ExitStack() as stack:
+            swap = setup == "router-swap"
+            saves = Path(stack.enter_context(tempfile.TemporaryDirectory())) if swap else None
+            for i in range(len(counts) if saves else 0):
+                (saves / str(i)).mkdir()  # type: ignore[operator]
             servers = [
                 stack.enter_context(
                     ls.llama_server(
@@ -630,14 +646,16 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
                         slots=n if not one else args.slots * args.servers,
                         n_ctx=args.n_ctx,
                         threads=args.threads,
+                        extra=["--slot-save-path", f"{saves}/{i}/"] if saves else (),
                     )
                 )
-                for n in counts
+                for i, n in enumerate(counts)
             ]
             urls = [s.url for s in servers]
             pick = picker(setup, urls)
-            if setup == "router":
-                prompt, reused, reusable, wall = router_scale(args, urls, chats)
+            if setup.startswith("router"):
+                folders = [saves / str(i) for i in range(len(urls))] if saves else None
+                prompt, reused, reusable, wall = router_scale(args, urls, chats, folders)
             else:
                 prompt, reused, reusable, wall = raw_scale(args, urls, pick, chats, codec)
             evaluated = ls.prompt_tokens_total(urls)

@@ -46,6 +46,13 @@ def _logging(access_log: bool) -> None:
     "CHATCTX_BACKENDS). --model is then the GGUF the servers run, read for its tokenizer.",
 )
 @click.option(
+    "--slot-save-path",
+    default=None,
+    metavar="DIR",
+    help="With --backend: the servers' --slot-save-path (the same on each). A conversation's "
+    "slot given to another is saved there and restored when it comes back.",
+)
+@click.option(
     "--slots",
     type=int,
     default=4,
@@ -113,6 +120,7 @@ def serve(
     db: str | None,
     model: str | None,
     backend_urls: tuple[str, ...],
+    slot_save_path: str | None,
     slots: int,
     api_keys: Path | None,
     model_id: str | None,
@@ -150,6 +158,7 @@ def serve(
         db=db,
         model=model,
         backend_urls=list(backend_urls),
+        slot_save_path=slot_save_path,
         engine_options=options,
         model_id=model_id,
         api_keys=load_api_keys(api_keys),

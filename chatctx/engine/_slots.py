@@ -148,7 +148,7 @@ class SlotPool:
             victim.seq_id,
             swap_in=hit.where,
             swap_in_ms=ms,
-            swap_in_bytes=hit.entry.size,
+            swap_in_bytes=hit.entry.size if hit.size is None else hit.size,
             ticket=victim.ticket,
         )
 

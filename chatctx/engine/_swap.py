@@ -54,6 +54,7 @@ class SwapHit:
     entry: SwapEntry | None
     where: str | None  # "ram" | "disk"
     reason: str | None  # why a saved state could not be used
+    size: int | None = None  # bytes read, where no entry holds them (a server's slot file)
 
 
 def fingerprint_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:

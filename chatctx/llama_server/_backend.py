@@ -9,7 +9,11 @@ server's (``total_slots`` from ``GET /props``); the last one is kept for summari
 when all are taken gets the least recently used idle one: the server overwrites that slot's
 cache, and the conversation that had it re-evaluates its prompt when it comes back
 (``Lease.reprefill_reason`` says so; a server with a host-RAM prompt cache, ``--cache-ram``,
-may still bring it back: the turn's ``reused_tokens``, the server's ``cache_n``, tell).
+may still bring it back: the turn's ``reused_tokens``, the server's ``cache_n``, tell). With
+``swap=True`` the slot is saved to a file in the server's ``--slot-save-path`` first and
+restored into the slot the conversation gets when it comes back (``Lease.swap_in`` "disk"):
+the server's own prompt cache only looks for a better prompt when a slot would lose most of
+what it holds, which short chats behind one long system prompt never do.
 
 What differs from ``Engine``: the server reuses the common prefix and then, with
 ``n_cache_reuse`` (sent with every request, ``cache_reuse`` tokens: the server's own
@@ -25,11 +29,13 @@ token for token at ``repeat_penalty=1.0``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +58,10 @@ from chatctx.engine._gguf import model_facts, read_metadata
 from chatctx.engine._kv import MIN_CHUNK, plan_in_order
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._slots import PooledLeases, SlotPool
-from chatctx.engine._swap import SwapHit
+from chatctx.engine._swap import SwapEntry, SwapHit
 from chatctx.errors import (
     BackendUnavailable,
+    ChatctxError,
     ClosedError,
     ConfigError,
     DeadlineExceeded,
@@ -89,6 +96,8 @@ class LlamaServerBackend(PooledLeases, Closeable):
     how errors and records call it (default: the URL). ``cache_reuse`` is the ``n_cache_reuse``
     sent with each request: the shortest cached run the server shifts into place instead of
     evaluating again (0: the common prefix only, as a server without ``--cache-reuse``).
+    ``swap`` saves a slot given to another conversation to a file in ``slot_save_path`` and
+    restores it when its conversation comes back (one file per conversation, overwritten).
     """
 
     def __init__(
@@ -106,6 +115,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
         chat_template: str | None = None,
         chat_format: str | None = None,
         cache_reuse: int = MIN_CHUNK,
+        swap: bool = False,
     ) -> None:
         require_httpx()
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -122,6 +132,13 @@ class LlamaServerBackend(PooledLeases, Closeable):
         self.name = name or self.url
         self.model_path = resolve_model_path(model)
         self.slot_save_path = None if slot_save_path is None else Path(slot_save_path)
+        if swap and self.slot_save_path is None:
+            raise ConfigError(
+                "swap=True needs slot_save_path: the server's --slot-save-path, where a slot "
+                "given to another conversation is saved"
+            )
+        self.swap = swap
+        self._saved: dict[str, tuple[str, tuple[int, ...]]] = {}  # swapped out: file, tokens
         self._embedder = embedder
         self._closed = False
         self._lock = threading.Lock()
@@ -313,17 +330,57 @@ class LlamaServerBackend(PooledLeases, Closeable):
     # lease, release, pin, unpin: PooledLeases over the server's slots (the summary one aside)
 
     def _swap_out(self, seq_id: int, owner: str) -> None:
-        # The server keeps no swap: the next conversation's prompt overwrites the cache.
+        # The next conversation's prompt overwrites the slot: saved first with ``swap``, else
+        # lost (the server's host-RAM prompt cache may still keep it).
         with self._lock:
-            self._lost.add(owner)
+            tokens = tuple(self._mirror[seq_id])
             self._mirror[seq_id] = []
+        if self.swap:
+            filename = swap_filename(owner)
+            try:
+                body = self._post(
+                    f"/slots/{seq_id}?action=save", {"filename": filename}, f"saving slot {seq_id}"
+                )
+            except ChatctxError as exc:  # the next owner's turn goes on; this one prefills
+                logger.warning("%s: slot %d of %r not saved: %s", self.name, seq_id, owner, exc)
+            else:
+                if int(body.get("n_saved") or 0) > 0:
+                    with self._lock:
+                        self._saved[owner] = (filename, tokens)
+                        self._lost.discard(owner)
+                    return
+        with self._lock:
+            self._saved.pop(owner, None)
+            self._lost.add(owner)
 
     def _swap_in(self, seq_id: int, owner: str) -> tuple[SwapHit, float]:
         with self._lock:
-            if owner in self._lost:
-                self._lost.discard(owner)
-                return SwapHit(None, None, LOST), 0.0
-        return _NO_SWAP, 0.0
+            saved = self._saved.pop(owner, None)
+            lost = owner in self._lost
+            self._lost.discard(owner)
+        if saved is None:
+            return (SwapHit(None, None, LOST), 0.0) if lost else (_NO_SWAP, 0.0)
+        filename, tokens = saved
+        started = time.perf_counter()
+        try:
+            body = self._post(
+                f"/slots/{seq_id}?action=restore",
+                {"filename": filename},
+                f"restoring slot {seq_id}",
+            )
+        except BackendUnavailable:
+            raise
+        except ChatctxError as exc:  # the file went, or no longer fits: prefill again
+            return SwapHit(None, None, f"slot file not restored: {exc}"), 0.0
+        restored = int(body.get("n_restored") or 0)
+        if restored <= 0:
+            return SwapHit(None, None, "slot file not restored: the server read no tokens"), 0.0
+        with self._lock:
+            self._mirror[seq_id] = list(tokens)
+        timings = body.get("timings") or {}
+        ms = float(timings.get("restore_ms") or (time.perf_counter() - started) * 1000)
+        entry = SwapEntry(owner, tokens, b"", {})
+        return SwapHit(entry, "disk", None, size=int(body.get("n_read") or 0)), ms
 
     def slot_of(self, conversation: str) -> int | None:
         """The slot holding ``conversation``'s cache, None when it has none."""
@@ -378,11 +435,18 @@ class LlamaServerBackend(PooledLeases, Closeable):
             self._post(f"/slots/{seq}?action=erase", {}, f"erasing slot {seq}")
 
     def forget(self, conversation: str) -> None:
-        """Drop ``conversation``'s slot (erased on the server where it allows it)."""
+        """Drop ``conversation``'s slot (erased on the server where it allows it) and its swap
+        file (deleted where the server's directory is seen from here)."""
         self._check_open()
         seq = self.slot_of(conversation)
         with self._lock:
             self._lost.discard(conversation)
+            self._saved.pop(conversation, None)
+        if self.swap and self.slot_save_path is not None:
+            # The server has no call to delete a file: where its directory is seen here too
+            # (a server on this machine), the swap file goes; elsewhere it stays.
+            with contextlib.suppress(OSError):
+                (self.slot_save_path / swap_filename(conversation)).unlink(missing_ok=True)
         if seq is None:
             return
         lease = self.pool.lease(conversation, timeout=CLOSE_WAIT_S)  # not while a turn runs
@@ -398,8 +462,12 @@ class LlamaServerBackend(PooledLeases, Closeable):
         """Save ``conversation``'s slot on the server (``--slot-save-path``) and return the
         file name there; None without a save path or when the conversation holds no slot."""
         self._check_open()
-        if self.slot_save_path is None or self.slot_of(conversation) is None:
+        if self.slot_save_path is None:
             return None
+        if self.slot_of(conversation) is None:
+            with self._lock:  # swapped out: its file is its state
+                saved = self._saved.get(conversation)
+            return None if saved is None else saved[0]
         lease = self.pool.lease(conversation, timeout=CLOSE_WAIT_S)
         try:
             if lease.reprefill_reason is not None:  # lost meanwhile: nothing to save
@@ -630,15 +698,14 @@ class LlamaServerBackend(PooledLeases, Closeable):
 
     def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
         lease = super().lease(conversation, timeout=timeout)
-        return Lease(
-            lease.owner,
-            lease.seq_id,
-            reprefill_reason=lease.reprefill_reason,
-            ticket=lease.ticket,
-            backend=self.name,
-        )
+        return replace(lease, backend=self.name)
 
 
 def state_filename(conversation: str) -> str:
     """The file a conversation's slot is saved to (a plain name, as the server requires)."""
     return f"chatctx-{hashlib.sha256(conversation.encode()).hexdigest()[:24]}.bin"
+
+
+def swap_filename(conversation: str) -> str:
+    """The file a conversation's slot is swapped out to (``swap``)."""
+    return f"chatctx-swap-{hashlib.sha256(conversation.encode()).hexdigest()[:24]}.bin"

@@ -71,6 +71,12 @@ class ServeConfig(_Model):
     backend_urls: list[str] = Field(
         default_factory=list, description="llama-server URLs instead of a local model."
     )
+    slot_save_path: str | None = Field(
+        None,
+        description="The llama-servers' --slot-save-path (the same path on each): a slot "
+        "given to another conversation is saved there and restored when its conversation "
+        "comes back. None: no swap (the server's own host-RAM prompt cache still works).",
+    )
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Engine.load options (n_ctx, slots, ...)."
     )

@@ -55,16 +55,21 @@ def make_backend(
     backend_urls: Sequence[str],
     engine_options: Mapping[str, Any],
     store: Store | None = None,
+    slot_save_path: str | None = None,
 ) -> Backend:
     """The backend ``serve`` runs: the llama-server at ``backend_urls`` (several: a router
     over them, placements kept in ``store``; none given: ``CHATCTX_BACKENDS``), else a
-    local engine. With servers, ``model`` is the GGUF the local tokenizer reads."""
+    local engine. With servers, ``model`` is the GGUF the local tokenizer reads, and
+    ``slot_save_path`` their ``--slot-save-path``: slots given away are swapped there."""
     from chatctx.router import backends_from_env
 
     urls = list(backend_urls) or backends_from_env()
     if urls:
         server = server_backend_class()
-        backends = [server(url, model=model) for url in urls]
+        swap: dict[str, Any] = (
+            {"slot_save_path": slot_save_path, "swap": True} if slot_save_path else {}
+        )
+        backends = [server(url, model=model, **swap) for url in urls]
         if len(backends) == 1:
             backend: Backend = backends[0]
             return backend
@@ -247,6 +252,7 @@ class Service:
                     self.config.backend_urls,
                     self.config.engine_options,
                     store=self.store,
+                    slot_save_path=self.config.slot_save_path,
                 )
             warm_up(self.backend)
             self.loaded = True

@@ -11,6 +11,7 @@ import pytest
 from openai import OpenAI
 
 from chatctx.llama_server import LlamaServerProcess
+from chatctx.llama_server._backend import swap_filename
 from tests.llama_server.conftest import start_server
 from tests.llama_server.test_router_servers import metrics
 from tests.serve.conftest import ServerProcess
@@ -80,3 +81,36 @@ def test_serve_routes_over_several_llama_servers(
     finally:
         for s in servers:
             s.stop()
+
+
+def test_serve_swaps_a_slot_given_away_to_the_servers_slot_save_path(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    # One conversation slot (and the summary slot): two customers take turns on it. With
+    # --slot-save-path each one's slot is saved when the other takes it and restored when it
+    # comes back; the store's turn records and the server's own files are the oracle.
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    assert server.slot_save_path is not None
+    try:
+        serve = ServerProcess(
+            tmp_path,
+            smollm2_path,
+            "--backend",
+            server.url,
+            "--slot-save-path",
+            str(server.slot_save_path),
+        )
+        try:
+            for _ in range(2):
+                for customer in ("left", "right"):
+                    _talk(serve, customer, 1)
+        finally:
+            assert serve.stop() == 0
+        with serve.store() as store:
+            turns = {cid: store.turns(cid) for cid in ("left", "right")}
+    finally:
+        server.stop()
+    for cid, (first, second) in turns.items():
+        assert second.swap_in == "disk" and second.reprefill_reason is None, cid
+        assert second.reused_tokens >= first.prompt_tokens, cid  # the server's cache_n
+        assert (server.slot_save_path / swap_filename(cid)).stat().st_size > 0

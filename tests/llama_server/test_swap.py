@@ -1,0 +1,78 @@
+"""A slot given to another conversation, saved to the server's --slot-save-path and restored.
+
+One conversation slot (and the summary slot) on a real llama-server with its host-RAM prompt
+cache off: customer A's second turn comes after customer B took A's slot. The oracle is the
+server's own ``cache_n`` against A's first prompt (a prefix of its second), and the same
+conversation without ``swap``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chatctx import ChatSession, ConfigError
+from chatctx.config import GenerationSettings
+from chatctx.llama_server import LlamaServerBackend
+from chatctx.llama_server._backend import swap_filename
+from tests.llama_server.conftest import start_server
+
+pytestmark = pytest.mark.slow
+
+GREEDY = GenerationSettings(max_tokens=8, temperature=0.0, repeat_penalty=1.0)
+SYSTEM = "You are the support assistant of a small online bookshop. Be brief and polite."
+
+
+def test_a_slot_taken_by_another_customer_comes_back_from_its_file(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path, db_url: str
+) -> None:
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    assert server.slot_save_path is not None
+    seen = {}
+    try:
+        for swap in (False, True):
+            with LlamaServerBackend(
+                server.url, model=smollm2_path, slot_save_path=server.slot_save_path, swap=swap
+            ) as backend:
+                assert backend.slots == 1  # and one slot kept for summaries
+                backend.clear()
+                a, b = f"a-{swap}", f"b-{swap}"
+                with (
+                    ChatSession.open(
+                        db_url, conversation_id=a, backend=backend, system_prompt=SYSTEM,
+                        settings=GREEDY,
+                    ) as first_customer,
+                    ChatSession.open(
+                        db_url, conversation_id=b, backend=backend, system_prompt=SYSTEM,
+                        settings=GREEDY,
+                    ) as second_customer,
+                ):  # fmt: skip
+                    first = first_customer.send("My order NH-4821 has not arrived yet.")
+                    second_customer.send("Hello, when do you open on Sundays?")  # takes A's slot
+                    again = first_customer.send("Could you check where it is?")
+                assert first.turn is not None and again.turn is not None
+                seen[swap] = (first.turn, again.turn)
+                if swap:
+                    swapped = server.slot_save_path / swap_filename(a)
+                    assert swapped.stat().st_size > 0
+                    backend.forget(a)  # a server on this machine: its file goes too
+                    assert not swapped.exists()
+    finally:
+        server.stop()
+    # Without swap the slot held B's prompt: A's second turn reused the shared system
+    # prompt only, and the record says why it prefilled again.
+    first, again = seen[False]
+    assert again.reused_tokens < first.prompt_tokens
+    assert again.swap_in is None and again.reprefill_reason is not None
+    # With swap A's first prompt and reply came back from the file: the server reused all of
+    # the first prompt (a prefix of the second) by its own count.
+    first, again = seen[True]
+    assert again.reused_tokens >= first.prompt_tokens
+    assert again.swap_in == "disk" and again.reprefill_reason is None
+    assert again.swap_in_bytes is not None and again.swap_in_bytes > 0
+
+
+def test_swap_needs_the_servers_slot_save_path() -> None:
+    with pytest.raises(ConfigError, match="slot_save_path"):
+        LlamaServerBackend("http://127.0.0.1:9", swap=True)
