@@ -67,7 +67,7 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
     "--backends",
     is_flag=True,
     help="Per backend behind a router (from the store's placements and turns): "
-    "conversations placed, turns, hit ratio, failovers, re-prefills by reason; with "
+    "conversations placed, turns, hit ratio, failovers, swap-ins, re-prefills by reason; with "
     "--prometheus, add them as gauges.",
 )
 @handle_errors
@@ -383,6 +383,7 @@ def _show_backends(
         "turns",
         "hit ratio",
         "failovers",
+        "swap-ins",
         "re-prefills",
         "TTFT p50 ms",
         "p95",
@@ -395,6 +396,7 @@ def _show_backends(
             str(r.turns),
             _fmt(r.cache_hit_ratio, ".2f"),
             str(r.failovers),
+            str(r.swap_ins),
             str(r.reprefills),
             _fmt(r.ttft_p50_ms),
             _fmt(r.ttft_p95_ms),

@@ -174,7 +174,7 @@ def prometheus_text(
     engines under one home, ``live_slot_tables()``) adds each one's, labelled
     ``engine="<pid>"``. ``backends`` (``backend_totals()``, behind a router) adds per-backend
     gauges labelled ``backend="<name>"``: conversations placed, slots busy, hit ratio,
-    failovers and re-prefills by reason.
+    failovers, swap-ins and re-prefills by reason.
     """
     lines: list[str] = []
     stats = {cid: totals(turns) for cid, turns in conversations.items()}
@@ -292,6 +292,7 @@ _BACKEND_GAUGES = (
     ("chatctx_backend_cache_hit_ratio", "cache_hit_ratio", "gauge", "Reused / prompt tokens."),
     ("chatctx_backend_turns_total", "turns", "counter", "Turns it ran."),
     ("chatctx_backend_failovers_total", "failovers", "counter", "Turns moved to it by failover."),
+    ("chatctx_backend_swap_ins_total", "swap_ins", "counter", "Turns whose slot was swapped in."),
 )
 
 

@@ -118,6 +118,7 @@ class BackendTotals:
     evaluated_tokens: int
     cache_hit_ratio: float | None  # reused / prompt tokens of its turns
     failovers: int  # turns that prefilled again because their backend had failed
+    swap_ins: int  # turns whose slot came back from a swap (a server's --slot-save-path)
     reprefills: int  # turns that prefilled again, for whatever reason
     reprefill_reasons: dict[str, int]  # reason (its first words) -> turns
     ttft_p50_ms: float | None
@@ -141,7 +142,7 @@ def backend_totals(
     live: Sequence[Mapping[str, Any]] = (),
 ) -> list[BackendTotals]:
     """Per backend: conversations placed (``placements``, from ``Store.placement_counts``),
-    hit ratio, failovers and re-prefills by reason over its turns; ``live``
+    hit ratio, failovers, swap-ins and re-prefills by reason over its turns; ``live``
     (``Router.stats()``) adds slots busy and state. Turns with no backend are left out."""
     by_backend: dict[str, list[Turn]] = {}
     for turn in turns:
@@ -166,6 +167,7 @@ def backend_totals(
                 evaluated_tokens=sum(t.evaluated_tokens for t in mine),
                 cache_hit_ratio=reused / prompt if prompt else None,
                 failovers=reasons.get("failover", 0),
+                swap_ins=sum(t.swap_in is not None for t in mine),
                 reprefills=sum(reasons.values()),
                 reprefill_reasons=dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
                 ttft_p50_ms=percentile(ttfts, 50),

@@ -27,14 +27,14 @@ FAILOVER = "failover: moved from http://a:8080, down (refused: connection refuse
 def db(db_url: str) -> str:
     a, b = "http://a:8080", "http://b:8080"
     drained = "drained: moved from http://c:8080"
-    # conversation, backend, prompt, reused, evaluated, re-prefill reason, TTFT
+    # conversation, backend, prompt, reused, evaluated, re-prefill reason, TTFT, swapped in
     rows = [
-        ("c1", a, 100, 0, 100, None, 50.0),
-        ("c1", a, 120, 90, 30, None, 20.0),
-        ("c2", a, 80, 0, 80, None, 40.0),
-        ("c2", b, 100, 0, 100, FAILOVER, 60.0),
-        ("c3", b, 60, 0, 60, drained, 30.0),
-        ("c3", None, 90, 60, 30, None, None),  # run without a router
+        ("c1", a, 100, 0, 100, None, 50.0, None),
+        ("c1", a, 120, 90, 30, None, 20.0, "disk"),
+        ("c2", a, 80, 0, 80, None, 40.0, None),
+        ("c2", b, 100, 0, 100, FAILOVER, 60.0, None),
+        ("c3", b, 60, 0, 60, drained, 30.0, None),
+        ("c3", None, 90, 60, 30, None, None, "ram"),  # run without a router
     ]
     with Store(db_url) as store:
         for cid in ("c1", "c2", "c3"):
@@ -43,7 +43,7 @@ def db(db_url: str) -> str:
         store.claim_placement("c2", a)
         store.claim_placement("c3", b)
         store.move_placement("c2", from_backend=a, to_backend=b, reason=FAILOVER)
-        for cid, backend, prompt, reused, evaluated, reason, ttft in rows:
+        for cid, backend, prompt, reused, evaluated, reason, ttft, swap_in in rows:
             store.add_turn(
                 cid,
                 backend=backend,
@@ -52,6 +52,7 @@ def db(db_url: str) -> str:
                 evaluated_tokens=evaluated,
                 reprefill_reason=reason,
                 ttft_ms=ttft,
+                swap_in=swap_in,
                 **TURN,
             )
     return db_url
@@ -68,6 +69,7 @@ def test_backends_json(db: str) -> None:
     assert a["cache_hit_ratio"] == pytest.approx(90 / 300)
     assert b["cache_hit_ratio"] == 0.0
     assert (a["failovers"], b["failovers"]) == (0, 1)
+    assert (a["swap_ins"], b["swap_ins"]) == (1, 0)  # c3's swap-in ran without a router
     assert b["reprefills"] == 2 and b["reprefill_reasons"] == {"drained": 1, "failover": 1}
     assert a["ttft_p50_ms"] == 40.0 and a["ttft_p95_ms"] == 50.0
 
@@ -90,5 +92,6 @@ def test_backends_text_and_prometheus(db: str) -> None:
     lines = prom.output.splitlines()
     assert 'chatctx_backend_conversations{backend="http://b:8080"} 2' in lines
     assert 'chatctx_backend_failovers_total{backend="http://b:8080"} 1' in lines
+    assert 'chatctx_backend_swap_ins_total{backend="http://a:8080"} 1' in lines
     assert 'chatctx_backend_cache_hit_ratio{backend="http://a:8080"} 0.3' in lines
     assert 'chatctx_backend_reprefills_total{backend="http://b:8080",reason="drained"} 1' in lines
