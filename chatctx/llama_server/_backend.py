@@ -368,9 +368,8 @@ class LlamaServerBackend(PooledLeases, Closeable):
                 {"filename": filename},
                 f"restoring slot {seq_id}",
             )
-        except BackendUnavailable:
-            raise
-        except ChatctxError as exc:  # the file went, or no longer fits: prefill again
+        except ChatctxError as exc:  # the file went, no longer fits, or the server failed:
+            # a swap never fails a turn; its request finds out whether the server is down
             return SwapHit(None, None, f"slot file not restored: {exc}"), 0.0
         restored = int(body.get("n_restored") or 0)
         if restored <= 0:

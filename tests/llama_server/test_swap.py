@@ -73,6 +73,37 @@ def test_a_slot_taken_by_another_customer_comes_back_from_its_file(
     assert again.swap_in_bytes is not None and again.swap_in_bytes > 0
 
 
+def test_a_swap_file_gone_meanwhile_costs_a_prefill_not_the_turn(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path, db_url: str
+) -> None:
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    assert server.slot_save_path is not None
+    try:
+        with (
+            LlamaServerBackend(
+                server.url, model=smollm2_path, slot_save_path=server.slot_save_path, swap=True
+            ) as backend,
+            ChatSession.open(
+                db_url, conversation_id="a", backend=backend, system_prompt=SYSTEM,
+                settings=GREEDY,
+            ) as first_customer,
+            ChatSession.open(
+                db_url, conversation_id="b", backend=backend, system_prompt=SYSTEM,
+                settings=GREEDY,
+            ) as second_customer,
+        ):  # fmt: skip
+            first_customer.send("My order NH-4821 has not arrived yet.")
+            second_customer.send("Hello, when do you open on Sundays?")
+            (server.slot_save_path / swap_filename("a")).unlink()  # someone cleaned the folder
+            again = first_customer.send("Could you check where it is?")
+    finally:
+        server.stop()
+    assert again.turn is not None and again.text  # answered all the same
+    assert again.turn.swap_in is None
+    assert again.turn.reprefill_reason is not None
+    assert again.turn.reprefill_reason.startswith("slot file not restored")
+
+
 def test_swap_needs_the_servers_slot_save_path() -> None:
     with pytest.raises(ConfigError, match="slot_save_path"):
         LlamaServerBackend("http://127.0.0.1:9", swap=True)
