@@ -29,6 +29,7 @@ token for token at ``repeat_penalty=1.0``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
@@ -78,6 +79,8 @@ logger = logging.getLogger("chatctx.llama_server")
 CLOSE_WAIT_S = 10.0  # close() waits this long for sessions to give their slots back
 _NO_SWAP = SwapHit(None, None, None)
 LOST = "slot taken by another conversation (llama-server keeps no swap)"
+NOT_SAVED = "slot taken by another conversation and not saved (the save failed)"
+DROPPED = "swap file deleted: the swap files took over swap_disk_mb"
 
 
 class LlamaServerBackend(PooledLeases, Closeable):
@@ -98,6 +101,9 @@ class LlamaServerBackend(PooledLeases, Closeable):
     evaluating again (0: the common prefix only, as a server without ``--cache-reuse``).
     ``swap`` saves a slot given to another conversation to a file in ``slot_save_path`` and
     restores it when its conversation comes back (one file per conversation, overwritten).
+    ``swap_disk_mb`` bounds those files: beyond it the files of the conversations swapped out
+    longest ago are deleted (they prefill when they come back), where the server's directory
+    is seen from this machine; elsewhere a warning says the folder needs cleaning.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
         chat_format: str | None = None,
         cache_reuse: int = MIN_CHUNK,
         swap: bool = False,
+        swap_disk_mb: float = 4096.0,
     ) -> None:
         require_httpx()
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -137,15 +144,21 @@ class LlamaServerBackend(PooledLeases, Closeable):
                 "swap=True needs slot_save_path: the server's --slot-save-path, where a slot "
                 "given to another conversation is saved"
             )
+        if swap_disk_mb <= 0:
+            raise ConfigError(f"swap_disk_mb must be positive, not {swap_disk_mb}")
         self.swap = swap
+        self.swap_disk_bytes = int(swap_disk_mb * 2**20)
         self._saved: dict[str, tuple[str, tuple[int, ...]]] = {}  # swapped out: file, tokens
+        # Bytes of each conversation's swap file, the one saved longest ago first.
+        self._files: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._warned_disk = False
         self._embedder = embedder
         self._closed = False
         self._lock = threading.Lock()
         self._side = threading.Lock()  # one summary at a time on the summary slot
         self._side_running: tuple[threading.Event | None, ServerStream] | None = None
         self._streams: set[ServerStream] = set()
-        self._lost: set[str] = set()  # conversations whose slot went to another
+        self._lost: dict[str, str] = {}  # conversations whose slot went to another: why
         self._mirror: dict[int, list[int]] = {}  # what chatctx believes each slot holds
         self._last_usage: dict[int, int] = {}
         limit = httpx.Timeout(timeout, connect=min(timeout, 5.0))
@@ -347,19 +360,48 @@ class LlamaServerBackend(PooledLeases, Closeable):
                 if int(body.get("n_saved") or 0) > 0:
                     with self._lock:
                         self._saved[owner] = (filename, tokens)
-                        self._lost.discard(owner)
+                        self._lost.pop(owner, None)
+                        self._files[owner] = int(body.get("n_written") or 0)
+                        self._files.move_to_end(owner)
+                    self._bound_swap_files()
                     return
         with self._lock:
             self._saved.pop(owner, None)
-            self._lost.add(owner)
+            self._lost[owner] = NOT_SAVED if self.swap else LOST
+
+    def _bound_swap_files(self) -> None:
+        """Delete the swap files saved longest ago while they take over ``swap_disk_mb``;
+        their conversations prefill when they come back."""
+        assert self.slot_save_path is not None
+        if not self.slot_save_path.is_dir():
+            with self._lock:
+                over = sum(self._files.values()) > self.swap_disk_bytes
+                warn, self._warned_disk = over and not self._warned_disk, self._warned_disk or over
+            if warn:
+                logger.warning(
+                    "%s: swap files take over swap_disk_mb in %s, a folder not seen from this "
+                    "machine: delete old chatctx-swap-*.bin files there",
+                    self.name,
+                    self.slot_save_path,
+                )
+            return
+        while True:
+            with self._lock:
+                if sum(self._files.values()) <= self.swap_disk_bytes or len(self._files) < 2:
+                    return
+                oldest, _ = self._files.popitem(last=False)
+                if oldest in self._saved:
+                    del self._saved[oldest]
+                    self._lost[oldest] = DROPPED
+            with contextlib.suppress(OSError):
+                (self.slot_save_path / swap_filename(oldest)).unlink(missing_ok=True)
 
     def _swap_in(self, seq_id: int, owner: str) -> tuple[SwapHit, float]:
         with self._lock:
             saved = self._saved.pop(owner, None)
-            lost = owner in self._lost
-            self._lost.discard(owner)
+            lost = self._lost.pop(owner, None)
         if saved is None:
-            return (SwapHit(None, None, LOST), 0.0) if lost else (_NO_SWAP, 0.0)
+            return (SwapHit(None, None, lost), 0.0) if lost else (_NO_SWAP, 0.0)
         filename, tokens = saved
         started = time.perf_counter()
         try:
@@ -439,8 +481,9 @@ class LlamaServerBackend(PooledLeases, Closeable):
         self._check_open()
         seq = self.slot_of(conversation)
         with self._lock:
-            self._lost.discard(conversation)
+            self._lost.pop(conversation, None)
             self._saved.pop(conversation, None)
+            self._files.pop(conversation, None)
         if self.swap and self.slot_save_path is not None:
             # The server has no call to delete a file: where its directory is seen here too
             # (a server on this machine), the swap file goes; elsewhere it stays.

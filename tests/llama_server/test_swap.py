@@ -15,7 +15,7 @@ import pytest
 from chatctx import ChatSession, ConfigError
 from chatctx.config import GenerationSettings
 from chatctx.llama_server import LlamaServerBackend
-from chatctx.llama_server._backend import swap_filename
+from chatctx.llama_server._backend import DROPPED, swap_filename
 from tests.llama_server.conftest import start_server
 
 pytestmark = pytest.mark.slow
@@ -102,6 +102,40 @@ def test_a_swap_file_gone_meanwhile_costs_a_prefill_not_the_turn(
     assert again.turn.swap_in is None
     assert again.turn.reprefill_reason is not None
     assert again.turn.reprefill_reason.startswith("slot file not restored")
+
+
+def test_swap_files_stay_within_swap_disk_mb(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path, db_url: str
+) -> None:
+    # One conversation slot, three customers in turn, room for one slot file (each is about
+    # 2 MB here): a new file deletes the one saved longest ago, and its customer prefills.
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    folder = server.slot_save_path
+    assert folder is not None
+    try:
+        with LlamaServerBackend(
+            server.url, model=smollm2_path, slot_save_path=folder, swap=True, swap_disk_mb=1
+        ) as backend:
+            chats = {
+                cid: ChatSession.open(
+                    db_url, conversation_id=cid, backend=backend, system_prompt=SYSTEM,
+                    settings=GREEDY,
+                )
+                for cid in ("a", "b", "c")
+            }  # fmt: skip
+            try:
+                for cid in ("a", "b", "c"):  # b saves a's file, c saves b's and deletes a's
+                    chats[cid].send(f"Customer {cid} here: my parcel NH-4821 is late.")
+                assert {p.name for p in folder.iterdir()} == {swap_filename("b")}
+                back = chats["a"].send("Any news?")  # c's slot saved, b's file deleted
+                assert {p.name for p in folder.iterdir()} == {swap_filename("c")}
+            finally:
+                for chat in chats.values():
+                    chat.close()
+    finally:
+        server.stop()
+    assert back.turn is not None and back.turn.swap_in is None
+    assert back.turn.reprefill_reason == DROPPED
 
 
 def test_swap_needs_the_servers_slot_save_path() -> None:
