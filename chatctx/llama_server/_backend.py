@@ -363,17 +363,18 @@ class LlamaServerBackend(PooledLeases, Closeable):
                         self._lost.pop(owner, None)
                         self._files[owner] = int(body.get("n_written") or 0)
                         self._files.move_to_end(owner)
-                    self._bound_swap_files()
+                    self._bound_swap_files(filename)
                     return
         with self._lock:
             self._saved.pop(owner, None)
             self._lost[owner] = NOT_SAVED if self.swap else LOST
 
-    def _bound_swap_files(self) -> None:
+    def _bound_swap_files(self, just_saved: str) -> None:
         """Delete the swap files saved longest ago while they take over ``swap_disk_mb``;
-        their conversations prefill when they come back."""
+        their conversations prefill when they come back. Only where the server's folder is
+        seen from here: the file it has just written is there."""
         assert self.slot_save_path is not None
-        if not self.slot_save_path.is_dir():
+        if not (self.slot_save_path / just_saved).is_file():
             with self._lock:
                 over = sum(self._files.values()) > self.swap_disk_bytes
                 warn, self._warned_disk = over and not self._warned_disk, self._warned_disk or over
