@@ -8,6 +8,7 @@ conversation without ``swap``.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,37 @@ def test_swap_files_stay_within_swap_disk_mb(
         server.stop()
     assert back.turn is not None and back.turn.swap_in is None
     assert back.turn.reprefill_reason == DROPPED
+
+
+def test_swap_files_out_of_sight_are_left_with_a_warning(
+    llama_server_binary: Path,
+    smollm2_path: Path,
+    tmp_path: Path,
+    db_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The backend is told a folder that is not the one the server writes to (as for a server
+    # on another machine): nothing can be deleted, so the files stay and a warning says so.
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    folder = server.slot_save_path
+    assert folder is not None
+    elsewhere = tmp_path / "not-the-servers"
+    elsewhere.mkdir()
+    caplog.set_level(logging.WARNING, logger="chatctx.llama_server")
+    try:
+        with LlamaServerBackend(
+            server.url, model=smollm2_path, slot_save_path=elsewhere, swap=True, swap_disk_mb=1
+        ) as backend:
+            for cid in ("a", "b", "c"):
+                with ChatSession.open(
+                    db_url, conversation_id=cid, backend=backend, system_prompt=SYSTEM,
+                    settings=GREEDY,
+                ) as chat:  # fmt: skip
+                    chat.send(f"Customer {cid} here: my parcel NH-4821 is late.")
+    finally:
+        server.stop()
+    assert {p.name for p in folder.iterdir()} == {swap_filename("a"), swap_filename("b")}
+    assert "delete old chatctx-swap-*.bin files there" in caplog.text
 
 
 def test_swap_needs_the_servers_slot_save_path() -> None:
