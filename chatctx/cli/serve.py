@@ -53,6 +53,14 @@ def _logging(access_log: bool) -> None:
     "slot given to another is saved there and restored when it comes back.",
 )
 @click.option(
+    "--swap-disk-mb",
+    type=float,
+    default=4096.0,
+    show_default=True,
+    help="With --slot-save-path: the most the swap files take (the oldest are deleted beyond "
+    "it, where that folder is seen from this machine).",
+)
+@click.option(
     "--slots",
     type=int,
     default=4,
@@ -121,6 +129,7 @@ def serve(
     model: str | None,
     backend_urls: tuple[str, ...],
     slot_save_path: str | None,
+    swap_disk_mb: float,
     slots: int,
     api_keys: Path | None,
     model_id: str | None,
@@ -159,6 +168,7 @@ def serve(
         model=model,
         backend_urls=list(backend_urls),
         slot_save_path=slot_save_path,
+        swap_disk_mb=swap_disk_mb,
         engine_options=options,
         model_id=model_id,
         api_keys=load_api_keys(api_keys),

@@ -363,18 +363,20 @@ class LlamaServerBackend(PooledLeases, Closeable):
                         self._lost.pop(owner, None)
                         self._files[owner] = int(body.get("n_written") or 0)
                         self._files.move_to_end(owner)
-                    self._bound_swap_files(filename)
+                    # The slot's new owner (set before the swap) is restored next: its file stays.
+                    self._bound_swap_files(owner, keep=self.pool.owner_of(seq_id))
                     return
         with self._lock:
             self._saved.pop(owner, None)
             self._lost[owner] = NOT_SAVED if self.swap else LOST
 
-    def _bound_swap_files(self, just_saved: str) -> None:
-        """Delete the swap files saved longest ago while they take over ``swap_disk_mb``;
-        their conversations prefill when they come back. Only where the server's folder is
-        seen from here: the file it has just written is there."""
+    def _bound_swap_files(self, just_saved: str, keep: str | None) -> None:
+        """Delete the swap files saved longest ago while they take over ``swap_disk_mb``
+        (never ``just_saved``'s, nor ``keep``'s: about to be restored); their conversations
+        prefill when they come back. Only where the server's folder is seen from here: the
+        file it has just written is there."""
         assert self.slot_save_path is not None
-        if not (self.slot_save_path / just_saved).is_file():
+        if not (self.slot_save_path / swap_filename(just_saved)).is_file():
             with self._lock:
                 over = sum(self._files.values()) > self.swap_disk_bytes
                 warn, self._warned_disk = over and not self._warned_disk, self._warned_disk or over
@@ -388,9 +390,11 @@ class LlamaServerBackend(PooledLeases, Closeable):
             return
         while True:
             with self._lock:
-                if sum(self._files.values()) <= self.swap_disk_bytes or len(self._files) < 2:
+                spare = [c for c in self._files if c not in (just_saved, keep)]
+                if sum(self._files.values()) <= self.swap_disk_bytes or not spare:
                     return
-                oldest, _ = self._files.popitem(last=False)
+                oldest = spare[0]
+                del self._files[oldest]
                 if oldest in self._saved:
                     del self._saved[oldest]
                     self._lost[oldest] = DROPPED

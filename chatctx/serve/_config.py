@@ -77,6 +77,9 @@ class ServeConfig(_Model):
         "given to another conversation is saved there and restored when its conversation "
         "comes back. None: no swap (the server's own host-RAM prompt cache still works).",
     )
+    swap_disk_mb: float = Field(
+        4096.0, gt=0, description="With slot_save_path: the most its swap files may take."
+    )
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Engine.load options (n_ctx, slots, ...)."
     )

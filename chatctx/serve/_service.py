@@ -56,18 +56,22 @@ def make_backend(
     engine_options: Mapping[str, Any],
     store: Store | None = None,
     slot_save_path: str | None = None,
+    swap_disk_mb: float = 4096.0,
 ) -> Backend:
     """The backend ``serve`` runs: the llama-server at ``backend_urls`` (several: a router
     over them, placements kept in ``store``; none given: ``CHATCTX_BACKENDS``), else a
     local engine. With servers, ``model`` is the GGUF the local tokenizer reads, and
-    ``slot_save_path`` their ``--slot-save-path``: slots given away are swapped there."""
+    ``slot_save_path`` their ``--slot-save-path``: slots given away are swapped there (at
+    most ``swap_disk_mb``)."""
     from chatctx.router import backends_from_env
 
     urls = list(backend_urls) or backends_from_env()
     if urls:
         server = server_backend_class()
         swap: dict[str, Any] = (
-            {"slot_save_path": slot_save_path, "swap": True} if slot_save_path else {}
+            {"slot_save_path": slot_save_path, "swap": True, "swap_disk_mb": swap_disk_mb}
+            if slot_save_path
+            else {}
         )
         backends = [server(url, model=model, **swap) for url in urls]
         if len(backends) == 1:
@@ -253,6 +257,7 @@ class Service:
                     self.config.engine_options,
                     store=self.store,
                     slot_save_path=self.config.slot_save_path,
+                    swap_disk_mb=self.config.swap_disk_mb,
                 )
             warm_up(self.backend)
             self.loaded = True

@@ -89,6 +89,8 @@ def test_serve_swaps_a_slot_given_away_to_the_servers_slot_save_path(
     # One conversation slot (and the summary slot): two customers take turns on it. With
     # --slot-save-path each one's slot is saved when the other takes it and restored when it
     # comes back; the store's turn records and the server's own files are the oracle.
+    # --swap-disk-mb 1 holds one file (about 2 MB each): the one a returning customer is
+    # about to restore must not be the one deleted to make room.
     server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
     assert server.slot_save_path is not None
     try:
@@ -99,6 +101,8 @@ def test_serve_swaps_a_slot_given_away_to_the_servers_slot_save_path(
             server.url,
             "--slot-save-path",
             str(server.slot_save_path),
+            "--swap-disk-mb",
+            "1",
         )
         try:
             for _ in range(2):
