@@ -634,10 +634,12 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
         one = setup == "one-server"
         counts = [1] if one else [args.slots] * args.servers
         with contextlib.ExitStack() as stack:
-            swap = setup == "router-swap"
-            saves = Path(stack.enter_context(tempfile.TemporaryDirectory())) if swap else None
-            for i in range(len(counts) if saves else 0):
-                (saves / str(i)).mkdir()  # type: ignore[operator]
+            folders = None  # each server's --slot-save-path, for the router's swap
+            if setup == "router-swap":
+                base = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                folders = [base / str(i) for i in range(len(counts))]
+                for folder in folders:
+                    folder.mkdir()
             servers = [
                 stack.enter_context(
                     ls.llama_server(
@@ -646,7 +648,7 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
                         slots=n if not one else args.slots * args.servers,
                         n_ctx=args.n_ctx,
                         threads=args.threads,
-                        extra=["--slot-save-path", f"{saves}/{i}/"] if saves else (),
+                        extra=["--slot-save-path", f"{folders[i]}/"] if folders else (),
                     )
                 )
                 for i, n in enumerate(counts)
@@ -654,7 +656,6 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
             urls = [s.url for s in servers]
             pick = picker(setup, urls)
             if setup.startswith("router"):
-                folders = [saves / str(i) for i in range(len(urls))] if saves else None
                 prompt, reused, reusable, wall = router_scale(args, urls, chats, folders)
             else:
                 prompt, reused, reusable, wall = raw_scale(args, urls, pick, chats, codec)

@@ -748,11 +748,11 @@ class LlamaServerBackend(PooledLeases, Closeable):
         return replace(lease, backend=self.name)
 
 
-def state_filename(conversation: str) -> str:
+def state_filename(conversation: str, kind: str = "") -> str:
     """The file a conversation's slot is saved to (a plain name, as the server requires)."""
-    return f"chatctx-{hashlib.sha256(conversation.encode()).hexdigest()[:24]}.bin"
+    return f"chatctx-{kind}{hashlib.sha256(conversation.encode()).hexdigest()[:24]}.bin"
 
 
 def swap_filename(conversation: str) -> str:
     """The file a conversation's slot is swapped out to (``swap``)."""
-    return f"chatctx-swap-{hashlib.sha256(conversation.encode()).hexdigest()[:24]}.bin"
+    return state_filename(conversation, "swap-")
