@@ -70,6 +70,7 @@ class Generation:
         self._engine = engine
         self._job = job
         self._started = False
+        self._submitted = False  # the scheduler has it: close() must wait for it to let go
         self._ended = False
         # Abandoned without close(): stop it at the next step, without waiting.
         self._finalizer = weakref.finalize(self, engine._scheduler.cancel, job, wait=False)
@@ -95,7 +96,7 @@ class Generation:
             # Started only once the scheduler has it: a refused submit (engine closing,
             # sequence busy) leaves nothing for close() to wait for.
             self._engine._submit(job)
-            self._started = True
+            self._started = self._submitted = True
         if self._ended:
             raise StopIteration
         item = job.out.get()
@@ -117,7 +118,7 @@ class Generation:
         what a closed turn stores is what its client can read.
         """
         job = self._job
-        if not self._started:
+        if not self._submitted:  # never started (or closed before it started): nothing runs
             self._started = True
             self._ended = True
             return

@@ -56,6 +56,20 @@ def test_a_refused_submit_leaves_nothing_for_close_to_wait_for(tiny_llama3_path:
         running.close()
 
 
+def test_a_stream_closed_before_it_started_can_be_closed_again(tiny_llama3_path: Path) -> None:
+    # Two threads ending one turn (its reader gone, the session closing) both close it.
+    with Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as engine:
+        unstarted = engine.generate([128000, 5, 6], seq_id=0, settings=GREEDY)
+        unstarted.close()
+        closer = threading.Thread(target=unstarted.close, daemon=True)
+        closer.start()
+        closer.join(1.0)  # the watchdog: nothing was submitted, nothing to wait for
+        assert not closer.is_alive()
+        assert unstarted.result is None
+        with pytest.raises(StopIteration):
+            next(unstarted)
+
+
 def test_a_cancelled_prefill_records_what_llama_cpp_evaluated(tiny_llama3_path: Path) -> None:
     with Engine.load(tiny_llama3_path, n_ctx=2048, slots=1) as engine:
         prime_counters(engine)
