@@ -77,6 +77,10 @@ __all__ = ["LlamaServerBackend"]
 logger = logging.getLogger("chatctx.llama_server")
 
 CLOSE_WAIT_S = 10.0  # close() waits this long for sessions to give their slots back
+SIDE_POLL_S = 0.05  # a summary waiting for the summary slot looks at its cancel this often
+# Stop reasons of a summary that ran to its end; "context_full" is a length stop at the
+# slot's edge (fit_side caps max_tokens there).
+SIDE_DONE = frozenset({"eog", "length", "context_full"})
 _NO_SWAP = SwapHit(None, None, None)
 LOST = "slot taken by another conversation (llama-server keeps no swap)"
 NOT_SAVED = "slot taken by another conversation and not saved (the save failed)"
@@ -154,6 +158,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
         self._warned_disk = False
         self._embedder = embedder
         self._closed = False
+        self._closing = False  # close() began: no new work, running replies end
         self._lock = threading.Lock()
         self._side = threading.Lock()  # one summary at a time on the summary slot
         self._side_running: tuple[threading.Event | None, ServerStream] | None = None
@@ -161,6 +166,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
         self._lost: dict[str, str] = {}  # conversations whose slot went to another: why
         self._mirror: dict[int, list[int]] = {}  # what chatctx believes each slot holds
         self._last_usage: dict[int, int] = {}
+        self._usage_failed = False  # warned that /slots failed (once until it answers again)
         limit = httpx.Timeout(timeout, connect=min(timeout, 5.0))
         self._client = httpx.Client(
             base_url=self.url,
@@ -301,7 +307,7 @@ class LlamaServerBackend(PooledLeases, Closeable):
         return self._closed
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closing:
             raise ClosedError("llama-server backend")
 
     def info(self) -> ModelInfo:
@@ -441,9 +447,12 @@ class LlamaServerBackend(PooledLeases, Closeable):
         """
         try:
             slots = self._get("/slots", "reading /slots")
-        except BackendUnavailable as exc:
-            logger.warning("kv usage of %s unknown: %s", self.name, exc)
+        except ChatctxError as exc:  # down, or /slots refused (a proxy, a build without it)
+            log = logger.debug if self._usage_failed else logger.warning
+            self._usage_failed = True
+            log("kv usage of %s unknown: %s", self.name, exc)
             return dict(self._last_usage)
+        self._usage_failed = False
         usage = {
             int(s["id"]): int(s.get("n_prompt_tokens") or 0)
             for s in slots
@@ -497,13 +506,15 @@ class LlamaServerBackend(PooledLeases, Closeable):
         if seq is None:
             return
         lease = self.pool.lease(conversation, timeout=CLOSE_WAIT_S)  # not while a turn runs
+        # The slot may have gone to another conversation before the lease: the lease's slot
+        # is the one that is ``conversation``'s now (``seq`` may hold someone else's cache).
         try:
-            self._erase(seq)
+            self._erase(lease.seq_id)
             with self._lock:
-                self._mirror[seq] = []
+                self._mirror[lease.seq_id] = []
         finally:
             self.pool.release(lease)
-            self.pool.forget(seq)
+            self.pool.forget(lease.seq_id)
 
     def export_state(self, conversation: str) -> str | None:
         """Save ``conversation``'s slot on the server (``--slot-save-path``) and return the
@@ -668,7 +679,11 @@ class LlamaServerBackend(PooledLeases, Closeable):
                 return
             kept = list(stream._body["prompt"])
             generated = list(result.tokens)
-            if result.stop_reason != "eog":
+            # Fewer tokens than generated: the server never sent some (a character split over
+            # several). The slot holds those known (each was evaluated to sample the next),
+            # then a tail chatctx cannot know: the mirror claims only what it knows.
+            complete = len(generated) == result.usage.generated_tokens
+            if complete and result.stop_reason != "eog":
                 # The last token sampled was never evaluated: the cache ends before it.
                 generated = generated[:-1]
             self._mirror[seq] = kept + generated
@@ -685,13 +700,16 @@ class LlamaServerBackend(PooledLeases, Closeable):
         cancel: threading.Event | None = None,
     ) -> str:
         """A summary on the summary slot; ``deadline`` (``time.monotonic()``) stops it with
-        ``DeadlineExceeded``, ``cancel_side(cancel)`` with ``GenerationError``."""
+        ``DeadlineExceeded``, also while it waits behind another summary, and
+        ``cancel_side(cancel)`` with ``GenerationError``. The text is returned only when the
+        reply ran to its end (end of generation or its token limit)."""
         self._check_open()
         seq = self.summary_seq
         if seq is None:
             raise ConfigError("side generations need the summary slot (summary_slot=True)")
         settings = fit_side(len(prompt), self.side_room, settings, "summary slot")
-        with self._side:
+        self._take_side(deadline, cancel)
+        try:
             stream = self._stream(prompt, seq, settings)
             self._side_running = (cancel, stream)
             timer: threading.Timer | None = None
@@ -704,19 +722,44 @@ class LlamaServerBackend(PooledLeases, Closeable):
                     timer.start()
                 for _ in stream:
                     pass
-                if cancel is not None and cancel.is_set():
-                    raise GenerationError("side generation cancelled")
-                result = stream.result
-                if result is not None and result.stop_reason == "interrupted":
-                    raise DeadlineExceeded(
-                        "side generation not done before its deadline", what="summary"
-                    )
             finally:
                 if timer is not None:
                     timer.cancel()
                 self._side_running = None
                 stream.close()
+        finally:
+            self._side.release()
+        if cancel is not None and cancel.is_set():
+            raise GenerationError("side generation cancelled")
+        # Only a reply that ran to its end is a summary: one stopped (even before it began,
+        # with no result at all) has no text a summarizer may take for "nothing to add".
+        stop = None if stream.result is None else stream.result.stop_reason
+        if stop in SIDE_DONE:
             return stream.text
+        if self._closing:
+            raise ClosedError("llama-server backend")
+        if deadline is not None and stop in (None, "interrupted"):
+            raise DeadlineExceeded("side generation not done before its deadline", what="summary")
+        raise GenerationError(f"side generation stopped before its end ({stop or 'not started'})")
+
+    def _take_side(self, deadline: float | None, cancel: threading.Event | None) -> None:
+        """Wait for the summary slot (one summary at a time): ``DeadlineExceeded`` once
+        ``deadline`` passes, ``GenerationError`` once ``cancel`` is set, ``ClosedError`` once
+        the backend closes, whichever comes first."""
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise GenerationError("side generation cancelled")
+            wait = SIDE_POLL_S
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(
+                        "side generation not started before its deadline", what="summary"
+                    )
+                wait = min(wait, left)
+            if self._side.acquire(timeout=wait):
+                return
+            self._check_open()
 
     def cancel_side(self, cancel: threading.Event) -> None:
         cancel.set()
@@ -729,9 +772,12 @@ class LlamaServerBackend(PooledLeases, Closeable):
     def close(self) -> None:
         """End running replies (stop reason ``closed``), wait for their sessions to store
         them and give their slots back (10 s at most), then close the HTTP client."""
-        if self._closed:
-            return
         with self._lock:
+            if self._closing:
+                return
+            # Set first: a generate() from now on is refused, so every stream is in the
+            # snapshot below and gets closed.
+            self._closing = True
             streams = list(self._streams)
         for stream in streams:
             stream.close(reason="closed")

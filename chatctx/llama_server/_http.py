@@ -131,5 +131,10 @@ def sse_event(line: str) -> dict[str, Any] | None:
     data = line[5:].strip()
     if not data or data == "[DONE]":
         return None
-    event = json.loads(data)
+    try:
+        event = json.loads(data)
+    except ValueError as exc:  # not llama-server speaking (a proxy's page, a cut line)
+        raise GenerationError(
+            f"llama-server sent an event that is not JSON: {data[:200]!r}"
+        ) from exc
     return event if isinstance(event, dict) else None

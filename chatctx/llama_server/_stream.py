@@ -4,7 +4,8 @@ A worker thread reads the server's events (``data: {...}`` lines) and queues the
 reader iterates the queue. ``close()`` may come from any thread: it shuts the socket down,
 which wakes the worker even in the middle of a long prefill, and llama-server stops the slot
 once it sees the connection gone. The result then has stop reason ``interrupted`` and all the
-text generated so far; the reader still gets that text before the end.
+text generated so far; the reader still gets that text before the end. A stream closed before
+it started sent nothing and has no result.
 
 A server that dies mid-reply ends the stream with ``BackendUnavailable(reason=
 "disconnected")``, raised from the reader's ``next()`` after the text already received; the
@@ -71,6 +72,7 @@ class ServerStream:
         # What the worker saw, folded into the result at the end.
         self._text = ""
         self._tokens: list[int] = []
+        self._known: int | None = None  # tokens received before the first one never sent
         self._last: dict[str, Any] = {}
         self._t0 = 0.0
         self._t_first: float | None = None
@@ -97,12 +99,15 @@ class ServerStream:
     def close(self, *, reason: str = "interrupted") -> None:
         """Stop the reply and return once the connection is let go (from any thread)."""
         with self._lock:
-            if not self._started:
+            unstarted = not self._started
+            if unstarted:
                 self._started = self._ended = True
-                return
-            if self._stopping is None and self.result is None:
+            elif self._stopping is None and self.result is None:
                 self._stopping = reason
             network = self._network
+        if unstarted:  # never ran: no result, and the backend forgets it now
+            self._done(self)
+            return
         if network is not None:
             _shut_down(network)
         worker = self._worker
@@ -129,7 +134,9 @@ class ServerStream:
             self._worker = threading.Thread(
                 target=self._run, name="chatctx-llama-server-stream", daemon=True
             )
-        self._worker.start()
+            # Started under the lock: a close() from another thread never finds a worker it
+            # cannot join yet.
+            self._worker.start()
 
     def _run(self) -> None:
         try:
@@ -183,6 +190,17 @@ class ServerStream:
         tokens = event.get("tokens") or []
         if (tokens or event.get("content")) and self._t_first is None:
             self._t_first = time.perf_counter()
+        # llama-server sends a token only once the text so far is whole UTF-8: the first
+        # tokens of a character split over several are never sent. Each event's predicted_n
+        # (timings_per_token) counts the tokens sampled so far, which shows the gap.
+        sampled = (event.get("timings") or {}).get("predicted_n")
+        if (
+            tokens
+            and self._known is None
+            and isinstance(sampled, int)
+            and sampled > len(self._tokens) + len(tokens)
+        ):
+            self._known = len(self._tokens)
         self._tokens += [int(t) for t in tokens]
         self._last = event
         if isinstance(event.get("id_slot"), int) and event["id_slot"] >= 0:
@@ -200,11 +218,21 @@ class ServerStream:
         cache_n = int(timings.get("cache_n") or 0)
         if not timings:  # ended before the server said anything: nothing was reused
             prompt_n, cache_n = 0, 0
-        if last.get("stop_type") == "eos" and self._tokens:
-            # The server sends the end-of-generation token it sampled; chatctx's replies (the
-            # engine's) never count it, and it is not in the slot's cache.
-            self._tokens.pop()
-        generated = len(self._tokens)
+        eos = last.get("stop_type") == "eos"
+        sampled = int(timings.get("predicted_n") or 0)
+        if self._known is None and sampled > len(self._tokens):
+            self._known = len(self._tokens)  # the last character's tokens never came
+        if self._known is not None:
+            # Tokens went unsent: ``tokens`` keeps those known in order (the reply's first
+            # ones), the count is the server's, less the end-of-generation token it counts.
+            self._tokens = self._tokens[: self._known]
+            generated = max(sampled - (1 if eos else 0), len(self._tokens))
+        else:
+            if eos and self._tokens:
+                # The server sends the end-of-generation token it sampled; chatctx's replies
+                # (the engine's) never count it, and it is not in the slot's cache.
+                self._tokens.pop()
+            generated = len(self._tokens)
         if self._error is not None:
             stop = "error"
         elif self._stopping is not None and not last.get("stop"):
