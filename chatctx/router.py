@@ -45,7 +45,13 @@ from chatctx.backend import (
     Stream,
     TextEmbedder,
 )
-from chatctx.errors import BackendUnavailable, ChatctxError, ClosedError, ConfigError
+from chatctx.errors import (
+    BackendUnavailable,
+    ChatctxError,
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+)
 
 if TYPE_CHECKING:
     from chatctx.config import GenerationSettings
@@ -201,6 +207,27 @@ class Router(Closeable):
         if not was_down:
             logger.warning("backend %s is down (%s): its conversations move", name, reason)
             self._move_all(state, f"failover: moved from {name}, down ({reason})", failover=True)
+
+    def failed(self, name: str, exc: BackendUnavailable | ClosedError) -> ChatctxError:
+        """What a request's failure on ``name`` means, as the error to raise for it.
+
+        A server that let one request time out but answers its health check is busy, not
+        down (a long prefill behind others): that request fails (``DeadlineExceeded``, not
+        tried again elsewhere) and the backend keeps its conversations and their caches.
+        Anything else takes the backend out of routing (``mark_down``).
+        """
+        if isinstance(exc, BackendUnavailable) and exc.reason == "timeout":
+            try:
+                _probe(self._state(name).backend)
+            except ChatctxError:
+                pass
+            else:
+                logger.warning("backend %s is slow, not down: %s", name, exc)
+                return DeadlineExceeded(
+                    f"backend {name} did not answer in time: {exc}", what="reply"
+                )
+        self.mark_down(name, _why(exc))
+        return _unavailable(name, exc)
 
     def drain(self, name: str) -> dict[str, int]:
         """Move every conversation off ``name`` (it takes no new ones until ``undrain``).
@@ -436,10 +463,11 @@ class Router(Closeable):
                 lease = state.backend.lease(conversation, timeout=timeout)
             except (BackendUnavailable, ClosedError) as exc:
                 self.mark_down(state.name, _why(exc))
-                with self._lock:
-                    if reason is not None:
-                        self._pending.setdefault(conversation, reason)
+                self._keep_reason(conversation, reason)
                 continue
+            except BaseException:  # no slot in time: the turn that gets one says why
+                self._keep_reason(conversation, reason)
+                raise
             with self._lock:
                 state.leased += 1
             index = self._states.index(state)
@@ -451,6 +479,12 @@ class Router(Closeable):
                 reprefill_reason=lease.reprefill_reason or (None if lease.swap_in else reason),
             )
         raise self._nothing_up()
+
+    def _keep_reason(self, conversation: str, reason: str | None) -> None:
+        """Put back the move reason ``_place`` took for a lease that was not given."""
+        if reason is not None:
+            with self._lock:
+                self._pending.setdefault(conversation, reason)
 
     def release(self, lease: Lease) -> None:
         state, local = self._split(lease.seq_id)
@@ -486,8 +520,7 @@ class Router(Closeable):
                 history_start=history_start,
             )
         except (BackendUnavailable, ClosedError) as exc:
-            self.mark_down(state.name, _why(exc))
-            raise _unavailable(state.name, exc) from exc
+            raise self.failed(state.name, exc) from exc
         return _RoutedStream(stream, self, state, local)
 
     def side_generate(
@@ -515,7 +548,9 @@ class Router(Closeable):
                     cancel=cancel,
                 )  # fmt: skip
             except (BackendUnavailable, ClosedError) as exc:
-                self.mark_down(state.name, _why(exc))
+                error = self.failed(state.name, exc)
+                if not isinstance(error, BackendUnavailable):
+                    raise error from exc
                 last = exc
             finally:
                 if cancel is not None:
@@ -627,10 +662,10 @@ class _RoutedStream:
         try:
             return next(self._inner)
         except (BackendUnavailable, ClosedError) as exc:
-            self._router.mark_down(self._state.name, _why(exc))
-            if isinstance(exc, BackendUnavailable):
+            error = self._router.failed(self._state.name, exc)
+            if error is exc:
                 raise
-            raise _unavailable(self._state.name, exc) from exc
+            raise error from exc
 
     def close(self) -> None:
         self._inner.close()
@@ -639,10 +674,10 @@ class _RoutedStream:
         try:
             self._inner.wait(first_token_only=first_token_only)
         except (BackendUnavailable, ClosedError) as exc:
-            self._router.mark_down(self._state.name, _why(exc))
-            if isinstance(exc, BackendUnavailable):
+            error = self._router.failed(self._state.name, exc)
+            if error is exc:
                 raise
-            raise _unavailable(self._state.name, exc) from exc
+            raise error from exc
         result = self.result
         assert result is not None
         return result

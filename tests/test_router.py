@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from chatctx import BackendUnavailable, ChatSession, ConfigError, Engine, GenerationSettings
+from chatctx import (
+    BackendUnavailable,
+    ChatSession,
+    ConfigError,
+    DeadlineExceeded,
+    Engine,
+    GenerationSettings,
+)
 from chatctx.router import SEQ_STRIDE, Router
 from chatctx.store import Store
 from tests.llama_counters import counted, prime_counters
@@ -155,6 +162,31 @@ def test_a_closed_engine_fails_its_conversations_over(
         state = {s["backend"]: s for s in router.stats()}[victim]
         assert state["state"] == "down" and state["conversations"] == 0
         assert store.placement_counts().get(victim) is None
+
+
+def test_a_moved_conversation_that_waits_out_its_first_lease_still_says_why(
+    engines: dict[str, Engine], db_url: str
+) -> None:
+    # No store behind the router: the reason of a move lives in the router alone.
+    with Store(db_url) as store, Router(engines, health_interval=None) as router:
+        ids = [f"w{i}" for i in range(6)]
+        for cid in ids:
+            _talk(store, router, cid, "my order number is 4471")
+        victim = Counter(router.placement(c) for c in ids).most_common(1)[0][0]
+        assert victim is not None
+        moved = next(c for c in ids if router.placement(c) == victim)
+        engines[victim].close()
+        router.check()  # the health check finds it down: its conversations move
+        target = router.placement(moved)
+        assert target is not None and target != victim
+        held = [engines[target].lease(f"hold{i}") for i in range(3)]  # every slot busy
+        with pytest.raises(DeadlineExceeded):
+            router.lease(moved, timeout=0.2)
+        for lease in held:
+            engines[target].release(lease)
+        _talk(store, router, moved, "what was my order number?")
+        reason = store.turns(moved)[-1].reprefill_reason
+        assert reason is not None and reason.startswith(f"failover: moved from {victim}")
 
 
 def test_router_sequence_ids_name_their_backend(engines: dict[str, Engine]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chatctx import BackendUnavailable, ChatSession
+from chatctx import BackendUnavailable, ChatSession, DeadlineExceeded
 from chatctx.config import GenerationSettings
 from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
 from chatctx.router import Router
@@ -244,6 +245,66 @@ def test_drain_moves_conversations_with_their_cache_through_a_shared_slot_save_p
                 assert last.reprefill_reason is None
             evaluated = metrics(target)["prompt_tokens_total"] - before
             assert evaluated == sum(store.turns(c)[-1].evaluated_tokens for c in moving)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_a_busy_server_that_times_out_a_turn_keeps_its_conversations(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    # Two servers of one conversation slot each (and a summary slot).
+    servers = [
+        start_server(llama_server_binary, smollm2_path, tmp_path / str(i), slots=2, n_ctx=1024)
+        for i in range(2)
+    ]
+    try:
+        backends = [LlamaServerBackend(s.url, model=smollm2_path, timeout=1.0) for s in servers]
+        with (
+            Store(f"sqlite:///{tmp_path / 'bot.db'}") as store,
+            Router(backends, store=store, own=True, health_interval=None) as router,
+        ):
+            ids = [f"b{i}" for i in range(4)]
+            for cid in ids:
+                with ChatSession.open(
+                    store, conversation_id=cid, model=router, settings=SHORT
+                ) as chat:
+                    chat.send("hello, my parcel is late")
+            busy = router.placement(ids[0])
+            assert busy is not None
+            placed = {cid: router.placement(cid) for cid in ids}
+            # Another client keeps the busy server's only conversation slot for seconds.
+            hog = threading.Thread(
+                target=httpx.post,
+                args=(f"{busy}/completion",),
+                kwargs={
+                    "json": {"prompt": "Count: 1, 2, 3,", "n_predict": 200, "id_slot": 0},
+                    "timeout": 120,
+                },
+            )
+            hog.start()
+            try:
+                deadline = time.monotonic() + 30
+                while not httpx.get(f"{busy}/slots", timeout=10).json()[0]["is_processing"]:
+                    assert time.monotonic() < deadline, "the other client never got the slot"
+                    time.sleep(0.05)
+                with (
+                    ChatSession.open(
+                        store, conversation_id=ids[0], model=router, settings=SHORT
+                    ) as chat,
+                    pytest.raises(DeadlineExceeded),
+                ):
+                    chat.send("any news?")  # queued behind the other client: 1 s passes
+                # Busy, not down: nothing moved, and the server still takes conversations.
+                assert {cid: router.placement(cid) for cid in ids} == placed
+                assert all(row["down_reason"] is None for row in router.stats())
+            finally:
+                hog.join()
+            with ChatSession.open(
+                store, conversation_id=ids[0], model=router, settings=SHORT
+            ) as chat:
+                chat.send("any news now?")
+            assert store.turns(ids[0])[-1].backend == busy
     finally:
         for server in servers:
             server.stop()
