@@ -40,6 +40,9 @@ class TurnInFlight:
     yielded: bool = False  # text reached the reader: a failed backend can't be retried
     failovers: int = 0  # times the turn moved to another backend before its first token
     settings: dict[str, Any] | None = None  # conversation settings stored with the user message
+    # Set when the turn's reader has left (``astream`` ended early): the turn stops where it
+    # is, and one that has not stored its user message yet stores nothing.
+    cut: threading.Event | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     done: threading.Event = field(default_factory=threading.Event)
 

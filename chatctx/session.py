@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from chatctx.backend import (
     Backend,
     GenerationResult,
     Lease,
+    MemorySnapshot,
     Stream,
     TextEmbedder,
     Timings,
@@ -146,6 +147,7 @@ class ChatSession(Closeable):
         self._turns: set[TurnInFlight] = set()
         self._turns_changed = threading.Condition()
         self.last_reply: Reply | None = None
+        self.last_user: Message | None = None  # the user message the last turn stored
         self.last_build: BuildResult | None = None  # the context sent on the last turn
         self._closed = False
         if seq_id is not None:
@@ -574,7 +576,9 @@ class ChatSession(Closeable):
     ) -> AsyncIterator[str]:
         """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
 
-        Leaving the loop early ends the reply (stored as ``partial``), as with ``stream``.
+        Leaving the loop early ends the reply (stored as ``partial``), as with ``stream``,
+        even in its prefill or while it waits for a slot (then nothing is stored, if its user
+        message was not yet); the leaving waits until that is done, even when cancelled.
         ``before`` runs first in the turn's worker thread, before the turn begins (a server
         stores there what its request adds: no thread hop of its own); what it raises is
         raised here, and the turn is then not started. ``settings``: as for ``send``.
@@ -599,7 +603,7 @@ class ChatSession(Closeable):
             try:
                 if before is not None:
                     before()
-                stream = self._open_stream(text, replies, settings)
+                stream = self._open_stream(text, replies, settings, cut=stop)
                 try:
                     for chunk in stream:
                         put("chunk", chunk)
@@ -627,14 +631,24 @@ class ChatSession(Closeable):
                     break
         finally:
             stop.set()
-            if not ended:  # left early: the worker is still ending the reply and storing it
-                await asyncio.to_thread(worker.join)
+            if not ended:
+                # Left early (a reader gone, a timeout): the turn stops where it is, even in
+                # its prefill, and the worker stores what it has. This waits for that even
+                # when the task was cancelled: a caller that goes on at once (a server taking
+                # the conversation's next request) must find the reply stored.
+                await _outlast_cancellation(asyncio.to_thread(self._cut, stop, worker))
 
     def _open_stream(
-        self, text: str, replies: list[Reply] | None, sampling: GenerationSettings | None = None
+        self,
+        text: str,
+        replies: list[Reply] | None,
+        sampling: GenerationSettings | None = None,
+        *,
+        cut: threading.Event | None = None,
     ) -> Generator[str, None, None]:
         requested = time.perf_counter()
         turn = self._begin_turn("stream")
+        turn.cut = cut
         try:
             self._lease_slot(turn)
             clock = (requested, time.perf_counter())
@@ -667,19 +681,42 @@ class ChatSession(Closeable):
         return turn
 
     def _lease_slot(self, turn: TurnInFlight) -> Lease:
-        while True:  # in steps, so that a session closed meanwhile stops waiting for a slot
+        # In steps, so that a session closed (or a turn cut) meanwhile stops waiting.
+        while True:
             self._check_open()
+            _check_cut(turn)
             try:
                 lease = self.engine.lease(self.conversation_id, timeout=LEASE_POLL_S)
             except DeadlineExceeded:
                 continue
             break
-        turn.lease = lease
-        self._lease = lease
-        self.seq_id = lease.seq_id
-        if self._closed:  # closed while the lease was being handed over
+        with self._turns_changed:  # against close() ending this turn meanwhile
+            handed = not (self._closed or turn.released)
+            if handed:
+                turn.lease = lease
+                self._lease = lease
+                self.seq_id = lease.seq_id
+        if not handed:  # the turn was ended while the lease was on its way: give it back
+            if not self.engine.closed:
+                with contextlib.suppress(ChatctxError):
+                    self.engine.release(lease)
             raise ClosedError("chat session")
         return lease
+
+    def _cut(self, cut: threading.Event, worker: threading.Thread) -> None:
+        """Stop the turn whose reader left (``cut`` is set) and wait for its thread to end.
+
+        Closing the backend's stream stops a prefill under way too; the turn's own thread
+        then stores what was generated (``partial``), as when the reader closes the stream.
+        """
+        with self._turns_changed:
+            turns = [t for t in self._turns if t.cut is cut]
+        for turn in turns:
+            with turn.lock:  # a user message being written, a generation being started
+                stream = turn.stream
+            if stream is not None:
+                stream.close()
+        worker.join()
 
     def _abandon(self, turn: TurnInFlight) -> None:
         self._turn_under_way.set()
@@ -732,7 +769,7 @@ class ChatSession(Closeable):
         with turn.lock:
             self._check_open()
             built_at = time.perf_counter()
-            user = self.store.add_message(self.conversation_id, "user", text)
+            user = self.last_user = self.store.add_message(self.conversation_id, "user", text)
             stored_at = time.perf_counter()
             turn.stream = self.engine.generate(
                 built.tokens,
@@ -824,8 +861,9 @@ class ChatSession(Closeable):
             lost: BackendUnavailable | None = None  # the backend failed to start it
             with turn.lock:
                 self._check_open()  # closed before the first chunk was asked for
+                _check_cut(turn)  # its reader left before it began: store nothing
                 built_at = time.perf_counter()
-                turn.user = self.store.add_message(
+                turn.user = self.last_user = self.store.add_message(
                     self.conversation_id, "user", text, conversation_settings=turn.settings
                 )
                 turn.clock = (*leased, built_at, time.perf_counter())
@@ -856,6 +894,8 @@ class ChatSession(Closeable):
                 raise
             except BaseException as exc:
                 failure = exc
+                if isinstance(exc, ChatctxError) and turn.user is not None:
+                    exc.user_message_id = turn.user.id
                 raise
             finally:
                 self._turn_under_way.set()
@@ -939,6 +979,24 @@ class ChatSession(Closeable):
             if turn.replies is not None:
                 turn.replies.append(reply)
 
+    def _gauges(self) -> tuple[dict[str, int] | None, MemorySnapshot | None]:
+        """The cache's cells per sequence and the memory figures for a turn record; None
+        where the backend cannot tell (a server refusing ``/slots``): a reply is stored
+        without them, never lost for them."""
+        if self.engine.closed:
+            return None, None
+        try:
+            cells = {str(seq): n for seq, n in self.engine.kv_usage().items()}
+        except ChatctxError as exc:
+            logger.warning("cache cells of %s not read: %s", self.conversation_id, exc)
+            cells = None
+        try:
+            memory = self.engine.memory()
+        except ChatctxError as exc:
+            logger.warning("memory figures not read: %s", exc)
+            memory = None
+        return cells, memory
+
     def _store_turn(
         self,
         user: Message,
@@ -958,11 +1016,7 @@ class ChatSession(Closeable):
         """
         complete = result.stop_reason in ("eog", "length")
         timings = _request_timings(result, plan, clock)
-        cells = (
-            None
-            if self.engine.closed
-            else {str(seq): n for seq, n in self.engine.kv_usage().items()}
-        )
+        cells, memory = self._gauges()
         figures = turn_figures(
             result,
             plan,
@@ -971,7 +1025,7 @@ class ChatSession(Closeable):
             model=self.engine.model_name,
             n_ctx=self.engine.n_ctx,
             cells=cells,
-            memory=self.engine.memory(),
+            memory=memory,
         )
         message = None
         if store_reply and (result.text or complete):
@@ -1083,3 +1137,36 @@ def _settings(value: GenerationSettings | Mapping[str, Any]) -> GenerationSettin
         return GenerationSettings.model_validate(dict(value))
     except ValidationError as exc:
         raise ConfigError(f"invalid generation settings: {exc}") from exc
+
+
+def _check_cut(turn: TurnInFlight) -> None:
+    if turn.cut is not None and turn.cut.is_set():
+        raise ClosedError("chat turn")
+
+
+async def _outlast_cancellation(awaitable: Awaitable[None]) -> None:
+    """Await ``awaitable`` to its end even if the awaiting task is cancelled meanwhile; the
+    cancellation is raised afterwards.
+
+    A task cancelled by asyncio is told once; one inside an anyio cancel scope (Starlette's
+    response to a client that hung up) is told again at every await, unless shielded.
+    """
+    future = asyncio.ensure_future(awaitable)
+    cancelled: asyncio.CancelledError | None = None
+    with _shield():
+        while not future.done():
+            try:
+                await asyncio.shield(future)
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+    future.result()
+    if cancelled is not None:
+        raise cancelled
+
+
+def _shield() -> contextlib.AbstractContextManager[Any]:
+    try:
+        import anyio
+    except ImportError:  # no anyio: nothing cancels through its scopes either
+        return contextlib.nullcontext()
+    return anyio.CancelScope(shield=True)

@@ -290,6 +290,33 @@ def test_waiting_for_a_slot_ends_when_the_session_closes(
     assert rows(db_url, "SELECT count(*) FROM messages") == [(0,)]
 
 
+def test_a_session_closed_while_its_lease_is_on_the_way_gives_the_slot_back(
+    db_url: str, tiny_llama3_path: Path
+) -> None:
+    with Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as engine:
+        lease, entered, go = engine.lease, threading.Event(), threading.Event()
+
+        def slow_lease(conversation: str, **kwargs: Any) -> Any:
+            entered.set()
+            go.wait(10)  # a swap-in under way, or a slot coming free
+            return lease(conversation, **kwargs)
+
+        engine.lease = slow_lease  # type: ignore[method-assign]
+        chat = ChatSession.open(db_url, conversation_id="c", model=engine)
+        outcome: list[BaseException] = []
+        turn = threading.Thread(target=lambda: _catch(outcome, lambda: chat.send("hi")))
+        turn.start()
+        assert entered.wait(10)
+        chat.close()  # ends the turn while its lease is still on its way
+        go.set()
+        turn.join(10)
+        assert outcome and type(outcome[0]).__name__ == "ClosedError"
+        engine.lease = lease  # type: ignore[method-assign]
+        # The oracle: the engine's only slot is free for the next customer.
+        engine.release(engine.lease("next customer", timeout=2.0))
+    assert rows(db_url, "SELECT count(*) FROM messages") == [(0,)]
+
+
 def _catch(into: list[BaseException], call: Any) -> None:
     try:
         call()

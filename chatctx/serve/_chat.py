@@ -23,13 +23,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.errors import ChatctxError, ConversationNotFound
-from chatctx.serve._errors import APIError, error_body, from_chatctx
+from chatctx.serve._errors import APIError, error_body, from_chatctx, stored_already
 from chatctx.serve._schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -112,20 +113,27 @@ def _apply(
     plan: _Plan,
     generation: GenerationSettings,
     *,
-    create: ContextSettings | None = None,
+    create: ContextSettings,
+    known: bool = False,
     created: Callable[[], None] | None = None,
 ) -> None:
     """Store the request's system prompt and earlier messages (in the turn's worker thread,
     before the turn begins); its sampling settings go with the turn's user message.
 
-    ``create``: the session is new in this process; its conversation is got or created
-    here (what ``ChatSession.open`` does), a new one with these context settings and the
-    request's, and ``created`` is called once it exists. Otherwise it is read once, then
-    written once if the request changes its system prompt: the turn reads it again itself,
-    and another process may change it meanwhile, so nothing is kept from here.
+    ``known``: this process has got or created the conversation before; it is read once,
+    then written once if the request changes its system prompt (the turn reads it again
+    itself, and another process may change it meanwhile, so nothing is kept from here).
+    Otherwise, or when it was deleted since (by another process), it is got or created here
+    (what ``ChatSession.open`` does), a new one with ``create`` as its context settings, and
+    ``created`` is called once it exists. A request the conversation's settings refuse (a
+    reply limit that leaves no room for a prompt) is refused before anything is written.
     """
     store, cid = session.store, session.conversation_id
-    if create is not None:
+    conversation = None
+    if known:
+        with contextlib.suppress(ConversationNotFound):
+            conversation = store.get_conversation(cid)
+    if conversation is None:
         wanted = ConversationSettings(generation=generation, context=create)
         conversation, new = store.get_or_create_conversation(
             cid, system_prompt=plan.system_prompt, settings=wanted.to_json()
@@ -133,15 +141,15 @@ def _apply(
         if created is not None:
             created()
     else:
-        conversation, new = store.get_conversation(cid), False
+        new = False
     stored = ConversationSettings.parse(conversation.settings)
     merged = ConversationSettings(generation=generation, context=stored.context)
+    session.budget(merged)  # a reply limit that leaves no room for a prompt: ConfigError now
     system_prompt = plan.system_prompt
     if not new and system_prompt is not None and system_prompt != conversation.system_prompt:
         store.update_conversation(cid, system_prompt=system_prompt)
     if plan.earlier:
         store.add_messages(cid, plan.earlier)
-    session.budget(merged)  # a reply limit that leaves no room for a prompt: ConfigError now
 
 
 @dataclass
@@ -163,20 +171,26 @@ class _Turn:
     _closed: bool = False
 
     async def close(self) -> None:
-        """End the reply if still going, then give back locks and slots (idempotent)."""
+        """End the reply if still going, then give back locks and slots (idempotent).
+
+        Shielded: a client that hung up cancels the response's task, and every await after
+        that would be cancelled again, leaving the reply unstored, the conversation unlocked
+        before it is, and the key's turn uncounted down.
+        """
         if self._closed:
             return
         self._closed = True
-        try:
-            await self.run.close()
-        finally:
-            self.service.turn_ended(self.cancel)
-            for step in reversed(self.cleanup):
-                try:
-                    await step()
-                except Exception as exc:
-                    logger.warning("cleanup after a turn failed: %s", exc)
-            self._account()
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.run.close()
+            finally:
+                self.service.turn_ended(self.cancel)
+                for step in reversed(self.cleanup):
+                    try:
+                        await step()
+                    except Exception as exc:
+                        logger.warning("cleanup after a turn failed: %s", exc)
+                self._account()
 
     def usage(self) -> dict[str, Any] | None:
         reply = self.run.reply
@@ -191,8 +205,13 @@ class _Turn:
         return {
             "conversation": self.conversation,
             "stop_reason": self.run.stop_reason,
+            # A stop string ends the reply complete (the stored message says so too).
             "partial": self.run.cut not in (None, "stop")
-            or (reply is not None and reply.stop_reason not in ("eog", "length")),
+            or (
+                self.run.cut is None
+                and reply is not None
+                and reply.stop_reason not in ("eog", "length")
+            ),
             "turn_id": turn.id if turn is not None else None,
             "evaluated_tokens": turn.evaluated_tokens if turn is not None else None,
             "ttft_ms": turn.ttft_ms if turn is not None else None,
@@ -271,9 +290,10 @@ async def _open_turn(
     cleanup: list[Callable[[], Awaitable[None]]] = []
 
     async def unwind() -> None:
-        for step in reversed(cleanup):
-            with contextlib.suppress(Exception):
-                await step()
+        with anyio.CancelScope(shield=True):
+            for step in reversed(cleanup):
+                with contextlib.suppress(Exception):
+                    await step()
 
     service.limiter.acquire(tenant)
 
@@ -297,7 +317,8 @@ async def _open_turn(
                 session,
                 plan,
                 generation,
-                create=ContextSettings() if fresh else None,
+                create=ContextSettings(),
+                known=not fresh,
                 created=functools.partial(service.opened.add, stored_id),
             )
         else:
@@ -353,23 +374,30 @@ async def chat_completion(
         first = await turn.run.next_delta()  # errors before any output are HTTP errors
     except ChatctxError as exc:
         await turn.close()
-        raise from_chatctx(exc, retry_after=retry_after) from exc
+        raise stored_already(from_chatctx(exc, retry_after=retry_after), exc) from exc
     except BaseException:
         await turn.close()
         raise
     if first is None and turn.run.reply is None:
         await turn.close()
+        # Its user message stored, the request must not be sent again (it would be stored
+        # twice): the official clients retry a 5xx unless told not to.
+        headers = {"x-should-retry": "false"} if turn.run.stored_user else None
         if turn.run.cut == "timeout":
-            raise APIError(504, "no reply within the request timeout", code="timeout")
+            raise APIError(
+                504, "no reply within the request timeout", code="timeout", headers=headers
+            )
         if turn.run.cut == "drain":
-            raise APIError(503, "the server is shutting down", code="draining")
-        raise APIError(503, "the reply was not stored", code="not_stored")
+            raise APIError(503, "the server is shutting down", code="draining", headers=headers)
+        raise APIError(503, "the reply was not stored", code="not_stored", headers=headers)
     if request.stream:
         return _SSEResponse(_events(turn, first), turn)
     parts = [first] if first else []
     try:
         while (delta := await turn.run.next_delta()) is not None:
             parts.append(delta)
+    except ChatctxError as exc:
+        raise stored_already(from_chatctx(exc, retry_after=retry_after), exc) from exc
     finally:
         await turn.close()
     return JSONResponse(

@@ -35,7 +35,7 @@ from chatctx.errors import (
     StoreError,
 )
 
-__all__ = ["APIError", "error_body", "from_chatctx", "install_handlers"]
+__all__ = ["APIError", "error_body", "from_chatctx", "install_handlers", "stored_already"]
 
 logger = logging.getLogger("chatctx.serve")
 
@@ -120,9 +120,24 @@ def from_chatctx(exc: ChatctxError, *, retry_after: int = 1) -> APIError:
     return APIError(500, "the model failed to answer", code=type(exc).__name__)
 
 
+def stored_already(error: APIError, exc: ChatctxError) -> APIError:
+    """``error`` told not to be retried when its turn's user message was stored: a client
+    that sends the request again (the official ones do, after a 5xx) would store it twice."""
+    if exc.user_message_id is not None:
+        error.headers.pop("Retry-After", None)
+        error.headers["x-should-retry"] = "false"
+    return error
+
+
 # Errors raised by chatctx's own request checks (``_schemas``): their code is their type.
 _CUSTOM = frozenset(
-    {"unsupported_parameter", "invalid_stop", "invalid_stream_options", "unsupported_content"}
+    {
+        "unsupported_parameter",
+        "invalid_stop",
+        "invalid_stream_options",
+        "unsupported_content",
+        "invalid_text",
+    }
 )
 
 

@@ -86,7 +86,7 @@ def cache_view(service: Service, tenant: Tenant) -> dict[str, Any]:
         ]
     recent = [
         {k: v for k, v in entry.items() if k != "tenant"}
-        for entry in service.recent
+        for entry in list(service.recent)  # a copy: the event loop appends meanwhile
         if tenant.name is None or entry["tenant"] == tenant.name
     ][-RECENT_TURNS:]
     prompt = sum(r["prompt_tokens"] for r in recent)

@@ -27,6 +27,7 @@ __all__ = [
 # Conversation ids as clients give them: no whitespace, no "/" (they live in URL paths).
 CONVERSATION_ID = r"^[A-Za-z0-9_.:@+=-]{1,128}$"
 MAX_SEED = 2**32 - 1
+MAX_STOP_CHARS = 256  # a stop string is held back from every chunk: bounded work per chunk
 
 # Fields OpenAI defines that chatctx does not honour, with the values that change nothing.
 _NO_OP: dict[str, tuple[Any, ...]] = {
@@ -92,6 +93,25 @@ class ChatMessage(_Strict):
                     )
         return value
 
+    @field_validator("content")
+    @classmethod
+    def _storable(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        """Text every store keeps as it is: PostgreSQL refuses U+0000, and a lone surrogate
+        (valid in JSON) is no UTF-8 at all."""
+        texts = [value] if isinstance(value, str) else [p.text for p in value or ()]
+        for text in texts:
+            if "\x00" in text:
+                raise PydanticCustomError(
+                    "invalid_text", "message text may not contain the NUL character (U+0000)"
+                )
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise PydanticCustomError(
+                    "invalid_text", "message text is not valid Unicode (a lone surrogate)"
+                ) from None
+        return value
+
     @property
     def stored_role(self) -> str:
         return "system" if self.role == "developer" else self.role
@@ -155,9 +175,11 @@ class ChatCompletionRequest(_Strict):
                     {"name": name},
                 )
         stops = self.stop_list()
-        if len(stops) > 4 or any(not s for s in stops):
+        if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise PydanticCustomError(
-                "invalid_stop", "stop takes up to 4 non-empty strings", {"name": "stop"}
+                "invalid_stop",
+                f"stop takes up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
+                {"name": "stop"},
             )
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError(

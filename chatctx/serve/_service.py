@@ -20,7 +20,7 @@ from typing import Any
 
 from chatctx.backend import Backend, Codec, Lease, MemorySnapshot, ModelInfo, Stream, TextEmbedder
 from chatctx.config import ContextSettings, GenerationSettings, Settings
-from chatctx.errors import ChatctxError, ConfigError
+from chatctx.errors import ChatctxError, ConfigError, DeadlineExceeded
 from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import APIError
 from chatctx.serve._metrics import ServeMetrics
@@ -126,7 +126,13 @@ class OwnedAs:
         return self.inner.prompt_tokens(messages)
 
     def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
-        return self.inner.lease(self.owner, timeout=timeout)
+        """The chat's own slot when it is free now; else any slot, under the request's own
+        name: requests that open alike (a fixed system prompt and greeting) run side by
+        side instead of one after another on one slot."""
+        try:
+            return self.inner.lease(self.owner, timeout=0)
+        except DeadlineExceeded:
+            return self.inner.lease(conversation, timeout=timeout)
 
     def release(self, lease: Lease) -> None:
         self.inner.release(lease)

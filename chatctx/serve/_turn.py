@@ -83,6 +83,7 @@ class TurnRun:
         self.deadline = deadline  # loop.time() when the reply is cut
         self.cancel = cancel  # set when the server drains
         self._before = session.last_reply
+        self._before_user = session.last_user
         # ``before`` (storing what the request adds) runs in the turn's own worker thread;
         # the request's sampling is stored with its user message
         self._stream: AsyncIterator[str] = session.astream(text, before=before, settings=settings)
@@ -196,6 +197,11 @@ class TurnRun:
             self.cut = "gone"
         with contextlib.suppress(Exception):
             await self._end()
+
+    @property
+    def stored_user(self) -> bool:
+        """Whether this turn stored its user message (then it must not be sent again)."""
+        return self.session.last_user is not self._before_user
 
     @property
     def finish_reason(self) -> str:

@@ -164,6 +164,7 @@ def test_stop_strings_end_the_reply_and_the_stored_message(tiny_server: ServerPr
     text = response["choices"][0]["message"]["content"]
     assert response["choices"][0]["finish_reason"] == "stop"
     assert response["chatctx"]["stop_reason"] == "stop"
+    assert response["chatctx"]["partial"] is False  # as the stored message: complete
     assert not any(s in text for s in stops)
     with httpx.stream(
         "POST",
