@@ -85,6 +85,9 @@ def make_backend(
     return Engine.load(model, **engine_options)
 
 
+ALIKE = 3  # stateless requests of one opening that may run beside its first, each slot apart
+
+
 class OwnedAs:
     """A backend whose slots are leased under another name than the conversation's.
 
@@ -126,13 +129,15 @@ class OwnedAs:
         return self.inner.prompt_tokens(messages)
 
     def lease(self, conversation: str, *, timeout: float | None = None) -> Lease:
-        """The chat's own slot when it is free now; else any slot, under the request's own
-        name: requests that open alike (a fixed system prompt and greeting) run side by
-        side instead of one after another on one slot."""
-        try:
-            return self.inner.lease(self.owner, timeout=0)
-        except DeadlineExceeded:
-            return self.inner.lease(conversation, timeout=timeout)
+        """The chat's slot when it is free now, else one of its ``ALIKE`` side names' (the
+        same opening cached there too), else wait for the chat's own: requests that open
+        alike (a fixed system prompt and greeting) run side by side instead of one after
+        another on one slot, under a bounded set of names (a router stores each one's
+        placement)."""
+        for name in (self.owner, *(f"{self.owner}#{n}" for n in range(2, ALIKE + 2))):
+            with contextlib.suppress(DeadlineExceeded):
+                return self.inner.lease(name, timeout=0)
+        return self.inner.lease(self.owner, timeout=timeout)
 
     def release(self, lease: Lease) -> None:
         self.inner.release(lease)
