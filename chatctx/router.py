@@ -186,8 +186,8 @@ class Router(Closeable):
                 return
             try:
                 _probe(state.backend)
-            except BackendUnavailable as exc:
-                self.mark_down(state.name, f"{exc.reason}: {exc}")
+            except ChatctxError as exc:  # one backend's answer never stops the round
+                self.mark_down(state.name, _why(exc))
             else:
                 if state.down is not None:
                     logger.info("backend %s is back: it takes new conversations", state.name)

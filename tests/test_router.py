@@ -20,6 +20,7 @@ from chatctx import (
     ConfigError,
     DeadlineExceeded,
     Engine,
+    GenerationError,
     GenerationSettings,
 )
 from chatctx.router import SEQ_STRIDE, Router
@@ -187,6 +188,20 @@ def test_a_moved_conversation_that_waits_out_its_first_lease_still_says_why(
         _talk(store, router, moved, "what was my order number?")
         reason = store.turns(moved)[-1].reprefill_reason
         assert reason is not None and reason.startswith(f"failover: moved from {victim}")
+
+
+def test_a_health_check_that_fails_oddly_does_not_stop_the_round(
+    engines: dict[str, Engine],
+) -> None:
+    def refused() -> None:  # a proxy in front of the server answers 403, say
+        raise GenerationError("health check refused (403)")
+
+    with Router(engines, health_interval=None) as router:
+        engines["a"].health = refused  # type: ignore[attr-defined]
+        engines["c"].close()
+        router.check()
+        states = {row["backend"]: row["state"] for row in router.stats()}
+        assert states == {"a": "down", "b": "up", "c": "down"}
 
 
 def test_router_sequence_ids_name_their_backend(engines: dict[str, Engine]) -> None:

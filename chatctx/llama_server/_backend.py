@@ -77,6 +77,7 @@ __all__ = ["LlamaServerBackend"]
 logger = logging.getLogger("chatctx.llama_server")
 
 CLOSE_WAIT_S = 10.0  # close() waits this long for sessions to give their slots back
+HEALTH_TIMEOUT_S = 5.0  # a health check waits no longer (a hung server must not stall checks)
 SIDE_POLL_S = 0.05  # a summary waiting for the summary slot looks at its cancel this often
 # Stop reasons of a summary that ran to its end; "context_full" is a length stop at the
 # slot's edge (fit_side caps max_tokens there).
@@ -261,9 +262,16 @@ class LlamaServerBackend(PooledLeases, Closeable):
 
     # HTTP ---------------------------------------------------------------------------------
 
-    def _get(self, path: str, what: str) -> Any:
+    def _get(self, path: str, what: str, *, timeout: float | None = None) -> Any:
         with translated(self.name, what):
-            return check(self._client.get(path), self.name, what)
+            response = (
+                self._client.get(path)
+                if timeout is None
+                else self._client.get(
+                    path, timeout=min(timeout, self._client.timeout.read or timeout)
+                )
+            )
+            return check(response, self.name, what)
 
     def _post(self, path: str, body: Mapping[str, Any], what: str) -> Any:
         with translated(self.name, what):
@@ -271,8 +279,9 @@ class LlamaServerBackend(PooledLeases, Closeable):
 
     def health(self) -> None:
         """Return when the server answers ``/health``; else ``BackendUnavailable``
-        (reason ``refused``, ``loading`` while it loads the model, ``down``)."""
-        self._get("/health", "health check")
+        (reason ``refused``, ``loading`` while it loads the model, ``down``, ``timeout``
+        after ``HEALTH_TIMEOUT_S``: a server busy with prompts still answers it at once)."""
+        self._get("/health", "health check", timeout=HEALTH_TIMEOUT_S)
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """The server's ``/tokenize`` of ``text`` (no BOS added)."""
