@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: stateful (``conversation``) and stateless turns.
 
 Stateful: the conversation is stored under the tenant's name; leading system messages set
-its system prompt, earlier user/assistant messages of the request are appended as they
-are, the last (user) message is the turn. The server builds the context itself.
+its system prompt, earlier user/assistant messages of the request are appended (less those
+the conversation already ends with: a client may send the whole history every turn), the
+last (user) message is the turn. The server builds the context itself.
 
 Stateless: the request's messages become an ephemeral conversation in an in-memory store
 (deleted after the reply), fitted to the budget like any other (older turns dropped, no
@@ -148,8 +149,27 @@ def _apply(
     system_prompt = plan.system_prompt
     if not new and system_prompt is not None and system_prompt != conversation.system_prompt:
         store.update_conversation(cid, system_prompt=system_prompt)
-    if plan.earlier:
-        store.add_messages(cid, plan.earlier)
+    earlier = _unstored(store, cid, plan.earlier, conversation.message_count)
+    if earlier:
+        store.add_messages(cid, earlier)
+
+
+def _unstored(
+    store: Store, cid: str, earlier: list[dict[str, Any]], stored: int
+) -> list[dict[str, Any]]:
+    """``earlier`` less what the conversation already ends with: a client that sends the
+    whole history every turn (as OpenAI's API wants) gets it stored once. The longest run
+    of ``earlier``'s first messages equal (role and text) to the stored ones last is taken
+    out."""
+    if not earlier or not stored:
+        return earlier
+    count = min(len(earlier), stored)
+    tail = [(m.role, m.content) for m in store.messages(cid, from_position=stored - count)]
+    pairs = [(m["role"], m["content"]) for m in earlier]
+    for k in range(min(count, len(tail)), 0, -1):
+        if pairs[:k] == tail[-k:]:
+            return earlier[k:]
+    return earlier
 
 
 @dataclass

@@ -132,7 +132,8 @@ class ChatCompletionRequest(_Strict):
         None,
         pattern=CONVERSATION_ID,
         description="Stored conversation to continue (created on first use): send only the "
-        "new messages. Without it the request is stateless.",
+        "new messages (earlier ones the conversation already ends with are not stored again). "
+        "Without it the request is stateless.",
     )
     stream: bool = False
     stream_options: StreamOptions | None = None

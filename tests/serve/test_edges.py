@@ -294,3 +294,26 @@ def test_stateless_requests_that_open_alike_run_side_by_side(start_app: Any) -> 
     assert [a.status_code for a in answers] == [200] * 3
     # They took both of the engine's conversation slots, not the first one's in turn.
     assert len({a.json()["chatctx"]["slot"] for a in answers}) == 2
+
+
+def test_a_client_that_sends_the_whole_history_each_turn_has_it_stored_once(
+    start_app: Any,
+) -> None:
+    app = start_app()
+    sent: list[dict[str, str]] = [{"role": "system", "content": "Be brief."}]
+    for question in ("where is my parcel?", "and the invoice?", "thanks"):
+        sent.append({"role": "user", "content": question})
+        body = {"conversation": "full", "max_tokens": 3, "messages": sent}
+        answer = app.post(body).json()["choices"][0]["message"]["content"]
+        sent.append({"role": "assistant", "content": answer})
+    stored = [(m.role, m.content) for m in app.store.messages("full")]
+    assert stored == [(m["role"], m["content"]) for m in sent[1:]]
+    # Messages the conversation does not end with are new: they are stored.
+    other = [
+        {"role": "user", "content": "an older question"},
+        {"role": "assistant", "content": "an older answer"},
+        {"role": "user", "content": "next"},
+    ]
+    app.post({"conversation": "full", "max_tokens": 3, "messages": other})
+    stored = [m.content for m in app.store.messages("full")]
+    assert stored[len(sent) - 1 : len(sent) + 2] == [m["content"] for m in other]
