@@ -77,7 +77,7 @@ __all__ = ["LlamaServerBackend"]
 logger = logging.getLogger("chatctx.llama_server")
 
 CLOSE_WAIT_S = 10.0  # close() waits this long for sessions to give their slots back
-HEALTH_TIMEOUT_S = 5.0  # a health check waits no longer (a hung server must not stall checks)
+HEALTH_TIMEOUT_S = 5.0  # /health and /slots wait no longer: a hung server stalls nothing
 SIDE_POLL_S = 0.05  # a summary waiting for the summary slot looks at its cancel this often
 # Stop reasons of a summary that ran to its end; "context_full" is a length stop at the
 # slot's edge (fit_side caps max_tokens there).
@@ -451,11 +451,12 @@ class LlamaServerBackend(PooledLeases, Closeable):
     def kv_usage(self) -> dict[int, int]:
         """Tokens each server slot holds (``GET /slots``: ``n_prompt_tokens``).
 
-        Best effort: a server that cannot answer gives the last figures read (logged), so
-        that a turn's record is still stored when the server died under it.
+        Best effort: a server that cannot answer (within ``HEALTH_TIMEOUT_S``: a turn's
+        record waits for it) gives the last figures read (logged), so that a turn's record is
+        still stored when the server died under it.
         """
         try:
-            slots = self._get("/slots", "reading /slots")
+            slots = self._get("/slots", "reading /slots", timeout=HEALTH_TIMEOUT_S)
         except ChatctxError as exc:  # down, or /slots refused (a proxy, a build without it)
             log = logger.debug if self._usage_failed else logger.warning
             self._usage_failed = True
