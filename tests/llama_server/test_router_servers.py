@@ -60,6 +60,13 @@ def _router(servers: list[LlamaServerProcess], model: Path, store: Store) -> Rou
     return Router(backends, store=store, own=True, health_interval=None)
 
 
+def _each_says(store: Store, router: Router, ids: list[str], text: str) -> None:
+    """One short turn of each conversation, in order."""
+    for cid in ids:
+        with ChatSession.open(store, conversation_id=cid, model=router, settings=SHORT) as chat:
+            chat.send(text)
+
+
 def test_64_conversations_over_3_servers_each_on_one(
     three_servers: list[LlamaServerProcess], smollm2_path: Path, tmp_path: Path
 ) -> None:
@@ -220,11 +227,7 @@ def test_drain_moves_conversations_with_their_cache_through_a_shared_slot_save_p
             Router(backends, store=store, own=True, health_interval=None) as router,
         ):
             ids = [f"d{i}" for i in range(4)]
-            for cid in ids:
-                with ChatSession.open(
-                    store, conversation_id=cid, model=router, settings=SHORT
-                ) as chat:
-                    chat.send("my order number is 4471 and it has not arrived yet")
+            _each_says(store, router, ids, "my order number is 4471 and it has not arrived yet")
             source = Counter(router.placement(c) for c in ids).most_common(1)[0][0]
             assert source is not None
             moving = [c for c in ids if router.placement(c) == source]
@@ -265,11 +268,7 @@ def test_a_busy_server_that_times_out_a_turn_keeps_its_conversations(
             Router(backends, store=store, own=True, health_interval=None) as router,
         ):
             ids = [f"b{i}" for i in range(4)]
-            for cid in ids:
-                with ChatSession.open(
-                    store, conversation_id=cid, model=router, settings=SHORT
-                ) as chat:
-                    chat.send("hello, my parcel is late")
+            _each_says(store, router, ids, "hello, my parcel is late")
             busy = router.placement(ids[0])
             assert busy is not None
             placed = {cid: router.placement(cid) for cid in ids}
