@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
 from chatctx.engine import Engine
-from chatctx.errors import DeadlineExceeded
+from chatctx.errors import DeadlineExceeded, GenerationError
 from chatctx.serve import Limits, ServeConfig, create_app
 from chatctx.store import Store
 
@@ -31,10 +32,13 @@ class SlowStream:
     """A real engine's stream that waits ``delay`` seconds after each chunk, and ``prefill``
     seconds before the first (closing it cuts that wait short, as a real prefill stops)."""
 
-    def __init__(self, stream: Any, delay: float, prefill: float) -> None:
+    def __init__(
+        self, stream: Any, delay: float, prefill: float, fail: Exception | None = None
+    ) -> None:
         self._stream = stream
         self.delay = delay
         self.prefill = prefill
+        self.fail = fail  # raised at the first chunk: the model failed after the prefill
         self._closed = threading.Event()
         self._started = False
 
@@ -53,6 +57,9 @@ class SlowStream:
         if not self._started:
             self._started = True
             self._closed.wait(self.prefill)
+            if self.fail is not None:
+                self._stream.close()
+                raise self.fail
         if self._closed.is_set():
             self._stream.close()
         chunk: str = next(self._stream)
@@ -74,10 +81,12 @@ class SlowEngine:
         self._engine = engine
         self.delay = 0.0
         self.prefill = 0.0
+        self.fail: Exception | None = None
         self.started: list[SlowStream] = []
 
     def generate(self, prompt: Any, **kwargs: Any) -> SlowStream:
-        stream = SlowStream(self._engine.generate(prompt, **kwargs), self.delay, self.prefill)
+        inner = self._engine.generate(prompt, **kwargs)
+        stream = SlowStream(inner, self.delay, self.prefill, self.fail)
         self.started.append(stream)
         return stream
 
@@ -121,8 +130,14 @@ def slow_engine(tiny_llama3_path: Path) -> Iterator[SlowEngine]:
 def start_app(slow_engine: SlowEngine, tmp_path: Path) -> Iterator[Any]:
     servers: list[uvicorn.Server] = []
 
-    def start(limits: Limits | None = None, *, delay: float = 0.0, prefill: float = 0.0) -> App:
-        slow_engine.delay, slow_engine.prefill = delay, prefill
+    def start(
+        limits: Limits | None = None,
+        *,
+        delay: float = 0.0,
+        prefill: float = 0.0,
+        fail: Exception | None = None,
+    ) -> App:
+        slow_engine.delay, slow_engine.prefill, slow_engine.fail = delay, prefill, fail
         store = Store(f"sqlite:///{tmp_path / f'serve{len(servers)}.db'}")
         app = create_app(ServeConfig(limits=limits or Limits()), backend=slow_engine, store=store)  # type: ignore[arg-type]
         sock = socket.socket()
@@ -317,3 +332,20 @@ def test_a_client_that_sends_the_whole_history_each_turn_has_it_stored_once(
     app.post({"conversation": "full", "max_tokens": 3, "messages": other})
     stored = [m.content for m in app.store.messages("full")]
     assert stored[len(sent) - 1 : len(sent) + 2] == [m["content"] for m in other]
+
+
+def test_a_failure_after_the_user_message_was_stored_is_not_retried_by_the_client(
+    start_app: Any,
+) -> None:
+    app = start_app(fail=GenerationError("the model failed"))
+    client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused")  # retries 5xx twice
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.chat.completions.create(
+            model="chatctx",
+            messages=[{"role": "user", "content": "where is my parcel?"}],
+            max_tokens=4,
+            extra_body={"conversation": "once"},
+        )
+    assert failed.value.response.headers.get("x-should-retry") == "false"
+    # One request reached the server, and its user message is stored once.
+    assert [m.content for m in app.store.messages("once")] == ["where is my parcel?"]
