@@ -7,7 +7,9 @@ Every error response is ``{"error": {"message", "type", "param", "code"}}``; not
     chatctx errors            -> from_chatctx(): ConversationNotFound 404,
                                  ContextBudgetError 400 context_length_exceeded,
                                  ConfigError 400, ClosedError / ModelError / KVCacheError /
-                                 StoreError 503, GenerationError and the rest 500
+                                 StoreError / BackendUnavailable 503 (Retry-After; with
+                                 x-should-retry: false once the user message is stored),
+                                 GenerationError and the rest 500
     RequestValidationError    -> 400 with the offending field as ``param``
     HTTPException (404, 405)  -> the same shape
     anything else             -> 500 "internal error" (logged with its traceback)
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatctx.errors import (
+    BackendUnavailable,
     ChatctxError,
     ClosedError,
     ConfigError,
@@ -107,7 +110,7 @@ def from_chatctx(exc: ChatctxError, *, retry_after: int = 1) -> APIError:
         )
     if isinstance(exc, ConfigError):
         return APIError(400, str(exc), code="invalid_value")
-    unavailable = (ClosedError, ModelError, KVCacheError, StoreError)
+    unavailable = (ClosedError, ModelError, KVCacheError, StoreError, BackendUnavailable)
     if isinstance(exc, unavailable):
         logger.warning("answered 503: %s: %s", type(exc).__name__, exc)
         return APIError(

@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 
 from chatctx.engine import Engine
-from chatctx.errors import DeadlineExceeded, GenerationError
+from chatctx.errors import BackendUnavailable, DeadlineExceeded, GenerationError
 from chatctx.serve import Limits, ServeConfig, create_app
 from chatctx.store import Store
 
@@ -334,10 +334,17 @@ def test_a_client_that_sends_the_whole_history_each_turn_has_it_stored_once(
     assert stored[len(sent) - 1 : len(sent) + 2] == [m["content"] for m in other]
 
 
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [
+        (GenerationError("the model failed"), 500),
+        (BackendUnavailable("the server went away", backend="gpu1", reason="down"), 503),
+    ],
+)
 def test_a_failure_after_the_user_message_was_stored_is_not_retried_by_the_client(
-    start_app: Any,
+    start_app: Any, failure: Exception, status: int
 ) -> None:
-    app = start_app(fail=GenerationError("the model failed"))
+    app = start_app(fail=failure)
     client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused")  # retries 5xx twice
     with pytest.raises(openai.InternalServerError) as failed:
         client.chat.completions.create(
@@ -346,6 +353,7 @@ def test_a_failure_after_the_user_message_was_stored_is_not_retried_by_the_clien
             max_tokens=4,
             extra_body={"conversation": "once"},
         )
+    assert failed.value.status_code == status
     assert failed.value.response.headers.get("x-should-retry") == "false"
     # One request reached the server, and its user message is stored once.
     assert [m.content for m in app.store.messages("once")] == ["where is my parcel?"]
