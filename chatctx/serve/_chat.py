@@ -449,9 +449,13 @@ async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:
         try:
             while (delta := await turn.run.next_delta()) is not None:
                 yield chunk(delta={"content": delta})
-        except ChatctxError as exc:
+        except Exception as exc:  # the stream ends with an error event, never cut off
             await turn.close()
-            error = from_chatctx(exc)
+            if isinstance(exc, ChatctxError):
+                error = from_chatctx(exc)
+            else:
+                logger.exception("a streamed reply failed")
+                error = APIError(500, "internal error", code="internal_error")
             yield _sse(error_body(error.message, type=error.type, code=error.code))
             yield b"data: [DONE]\n\n"
             return

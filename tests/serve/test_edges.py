@@ -33,12 +33,19 @@ class SlowStream:
     seconds before the first (closing it cuts that wait short, as a real prefill stops)."""
 
     def __init__(
-        self, stream: Any, delay: float, prefill: float, fail: Exception | None = None
+        self,
+        stream: Any,
+        delay: float,
+        prefill: float,
+        fail: Exception | None = None,
+        fail_after: int = 0,
     ) -> None:
         self._stream = stream
         self.delay = delay
         self.prefill = prefill
-        self.fail = fail  # raised at the first chunk: the model failed after the prefill
+        self.fail = fail  # raised after ``fail_after`` chunks: the model failed there
+        self.fail_after = fail_after
+        self._chunks = 0
         self._closed = threading.Event()
         self._started = False
 
@@ -57,9 +64,15 @@ class SlowStream:
         if not self._started:
             self._started = True
             self._closed.wait(self.prefill)
-            if self.fail is not None:
+        if self.fail is not None and self._chunks >= self.fail_after:
+            if self._chunks == self.fail_after:  # fails here: what it generated still comes
+                self._chunks += 1
                 self._stream.close()
-                raise self.fail
+            try:
+                return str(next(self._stream))
+            except StopIteration:
+                raise self.fail from None
+        self._chunks += 1
         if self._closed.is_set():
             self._stream.close()
         chunk: str = next(self._stream)
@@ -82,11 +95,12 @@ class SlowEngine:
         self.delay = 0.0
         self.prefill = 0.0
         self.fail: Exception | None = None
+        self.fail_after = 0
         self.started: list[SlowStream] = []
 
     def generate(self, prompt: Any, **kwargs: Any) -> SlowStream:
         inner = self._engine.generate(prompt, **kwargs)
-        stream = SlowStream(inner, self.delay, self.prefill, self.fail)
+        stream = SlowStream(inner, self.delay, self.prefill, self.fail, self.fail_after)
         self.started.append(stream)
         return stream
 
@@ -136,8 +150,10 @@ def start_app(slow_engine: SlowEngine, tmp_path: Path) -> Iterator[Any]:
         delay: float = 0.0,
         prefill: float = 0.0,
         fail: Exception | None = None,
+        fail_after: int = 0,
     ) -> App:
         slow_engine.delay, slow_engine.prefill, slow_engine.fail = delay, prefill, fail
+        slow_engine.fail_after = fail_after
         store = Store(f"sqlite:///{tmp_path / f'serve{len(servers)}.db'}")
         app = create_app(ServeConfig(limits=limits or Limits()), backend=slow_engine, store=store)  # type: ignore[arg-type]
         sock = socket.socket()
@@ -357,3 +373,23 @@ def test_a_failure_after_the_user_message_was_stored_is_not_retried_by_the_clien
     assert failed.value.response.headers.get("x-should-retry") == "false"
     # One request reached the server, and its user message is stored once.
     assert [m.content for m in app.store.messages("once")] == ["where is my parcel?"]
+
+
+@pytest.mark.parametrize(
+    "failure", [GenerationError("the model failed"), RuntimeError("a bug in a backend")]
+)
+def test_a_stream_that_fails_midway_ends_with_an_error_event(
+    start_app: Any, failure: Exception
+) -> None:
+    app = start_app(fail=failure, fail_after=2)
+    body = {"conversation": f"mid-{type(failure).__name__}", "stream": True, "max_tokens": 50}
+    body["messages"] = [{"role": "user", "content": "tell me everything"}]
+    with httpx.stream("POST", f"{app.url}/v1/chat/completions", json=body, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    # The text so far, then an OpenAI-style error event and [DONE]: a clean end to parse.
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2])
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-2])
+    stored = app.store.messages(body["conversation"])
+    assert stored[-1].role == "assistant" and stored[-1].status == "partial"
+    assert stored[-1].content == text
