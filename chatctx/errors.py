@@ -40,13 +40,7 @@ __all__ = [
 
 
 class ChatctxError(Exception):
-    """Base class of every error chatctx raises.
-
-    ``user_message_id`` is set on an error that ended a turn after its user message was
-    stored: sending the message again would store it twice.
-    """
-
-    user_message_id: int | None = None
+    """Base class of every error chatctx raises."""
 
 
 class ConfigError(ChatctxError):

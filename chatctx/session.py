@@ -894,8 +894,6 @@ class ChatSession(Closeable):
                 raise
             except BaseException as exc:
                 failure = exc
-                if isinstance(exc, ChatctxError) and turn.user is not None:
-                    exc.user_message_id = turn.user.id
                 raise
             finally:
                 self._turn_under_way.set()

@@ -394,22 +394,20 @@ async def chat_completion(
         first = await turn.run.next_delta()  # errors before any output are HTTP errors
     except ChatctxError as exc:
         await turn.close()
-        raise stored_already(from_chatctx(exc, retry_after=retry_after), exc) from exc
+        error = from_chatctx(exc, retry_after=retry_after)
+        raise stored_already(error, turn.run.stored_user) from exc
     except BaseException:
         await turn.close()
         raise
     if first is None and turn.run.reply is None:
         await turn.close()
-        # Its user message stored, the request must not be sent again (it would be stored
-        # twice): the official clients retry a 5xx unless told not to.
-        headers = {"x-should-retry": "false"} if turn.run.stored_user else None
         if turn.run.cut == "timeout":
-            raise APIError(
-                504, "no reply within the request timeout", code="timeout", headers=headers
-            )
-        if turn.run.cut == "drain":
-            raise APIError(503, "the server is shutting down", code="draining", headers=headers)
-        raise APIError(503, "the reply was not stored", code="not_stored", headers=headers)
+            error = APIError(504, "no reply within the request timeout", code="timeout")
+        elif turn.run.cut == "drain":
+            error = APIError(503, "the server is shutting down", code="draining")
+        else:
+            error = APIError(503, "the reply was not stored", code="not_stored")
+        raise stored_already(error, turn.run.stored_user)
     if request.stream:
         return _SSEResponse(_events(turn, first), turn)
     parts = [first] if first else []
@@ -417,7 +415,8 @@ async def chat_completion(
         while (delta := await turn.run.next_delta()) is not None:
             parts.append(delta)
     except ChatctxError as exc:
-        raise stored_already(from_chatctx(exc, retry_after=retry_after), exc) from exc
+        error = from_chatctx(exc, retry_after=retry_after)
+        raise stored_already(error, turn.run.stored_user) from exc
     finally:
         await turn.close()
     return JSONResponse(

@@ -123,10 +123,11 @@ def from_chatctx(exc: ChatctxError, *, retry_after: int = 1) -> APIError:
     return APIError(500, "the model failed to answer", code=type(exc).__name__)
 
 
-def stored_already(error: APIError, exc: ChatctxError) -> APIError:
-    """``error`` told not to be retried when its turn's user message was stored: a client
-    that sends the request again (the official ones do, after a 5xx) would store it twice."""
-    if exc.user_message_id is not None:
+def stored_already(error: APIError, stored: bool) -> APIError:
+    """``error`` told not to be retried when its turn's user message was ``stored``: a
+    client that sends the request again (the official ones do, after a 5xx) would store it
+    twice."""
+    if stored:
         error.headers.pop("Retry-After", None)
         error.headers["x-should-retry"] = "false"
     return error
