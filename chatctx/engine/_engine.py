@@ -131,7 +131,8 @@ class Generation:
             self._job.first_token_only = first_token_only
         for _ in self:
             pass
-        assert self.result is not None
+        if self.result is None:
+            raise GenerationError("the generation was closed before it started")
         return self.result
 
 

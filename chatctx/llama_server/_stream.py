@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from chatctx.backend import GenerationResult, KVReport, Timings, Usage
+from chatctx.errors import GenerationError
 from chatctx.llama_server._http import check, error_of, raise_error, sse_event, translated
 
 logger = logging.getLogger("chatctx.llama_server")
@@ -120,7 +121,8 @@ class ServerStream:
         """Run to the end and return the result."""
         for _ in self:
             pass
-        assert self.result is not None
+        if self.result is None:
+            raise GenerationError("the generation was closed before it started")
         return self.result
 
     # the worker ---------------------------------------------------------------------------

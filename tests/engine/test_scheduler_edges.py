@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from chatctx import ConfigError, DeadlineExceeded, Engine, GenerationSettings
+from chatctx import ConfigError, DeadlineExceeded, Engine, GenerationError, GenerationSettings
 from chatctx.backend import Lease
 from chatctx.engine._scheduler import PREFILL_CHUNK
 from chatctx.engine._slots import SlotPool
@@ -68,6 +68,8 @@ def test_a_stream_closed_before_it_started_can_be_closed_again(tiny_llama3_path:
         assert unstarted.result is None
         with pytest.raises(StopIteration):
             next(unstarted)
+        with pytest.raises(GenerationError, match="closed before it started"):
+            unstarted.wait()  # was an AssertionError (gone under python -O)
 
 
 def test_a_cancelled_prefill_records_what_llama_cpp_evaluated(tiny_llama3_path: Path) -> None:

@@ -56,6 +56,8 @@ def test_a_stream_closed_before_it_started_lets_its_slot_go(
         stream = backend.generate(prompt_of(backend, "Hello."), seq_id=lease.seq_id, settings=SHORT)
         stream.close()
         assert list(stream) == [] and stream.result is None
+        with pytest.raises(GenerationError, match="closed before it started"):
+            stream.wait()
         backend.clear(lease.seq_id)  # no generation runs on the slot: it may be cleared
     finally:
         backend.release(lease)
