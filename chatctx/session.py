@@ -55,6 +55,7 @@ from chatctx.errors import (
     ChatctxError,
     ClosedError,
     ConfigError,
+    ContextBudgetError,
     ContextStateConflict,
     DeadlineExceeded,
     StoreError,
@@ -435,6 +436,36 @@ class ChatSession(Closeable):
         """
         stored = settings if settings is not None else self.conversation_settings()
         return self._budget(stored.context, stored.generation)
+
+    def check_fits(
+        self,
+        message: str,
+        settings: ConversationSettings | None = None,
+        *,
+        system_prompt: str | None = None,
+    ) -> None:
+        """Raise ``ContextBudgetError`` now when ``message`` can never be sent: the system
+        prompt and it alone exceed the budget (and ``truncate_oversized`` is off).
+
+        The turn would refuse it too, but only once it runs: a caller that writes other
+        messages first (``chatctx serve`` storing a request's earlier messages) asks here.
+        """
+        stored = settings if settings is not None else self.conversation_settings()
+        if stored.context.truncate_oversized:
+            return
+        budget, reserve = self._budget(stored.context, stored.generation)
+        messages = [{"role": "user", "content": message}]
+        if system_prompt:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        needed = self._builder_for(stored.context, budget).count_messages(messages)
+        if needed > budget:
+            raise ContextBudgetError(
+                f"the newest message does not fit: with the system prompt it takes {needed} "
+                f"tokens > budget {budget}",
+                prompt_tokens=needed,
+                budget=budget,
+                n_ctx=budget + reserve,
+            )
 
     def _budget(self, settings: ContextSettings, generation: GenerationSettings) -> tuple[int, int]:
         reserve = settings.reserve if settings.reserve is not None else generation.max_tokens

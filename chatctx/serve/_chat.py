@@ -127,7 +127,8 @@ def _apply(
     Otherwise, or when it was deleted since (by another process), it is got or created here
     (what ``ChatSession.open`` does), a new one with ``create`` as its context settings, and
     ``created`` is called once it exists. A request the conversation's settings refuse (a
-    reply limit that leaves no room for a prompt) is refused before anything is written.
+    reply limit that leaves no room for a prompt, a user message that cannot fit the budget
+    with the system prompt alone) is refused before anything is written.
     """
     store, cid = session.store, session.conversation_id
     conversation = None
@@ -147,6 +148,8 @@ def _apply(
     merged = ConversationSettings(generation=generation, context=stored.context)
     session.budget(merged)  # a reply limit that leaves no room for a prompt: ConfigError now
     system_prompt = plan.system_prompt
+    # A message too long for any prompt: ContextBudgetError now, before anything is written.
+    session.check_fits(plan.text, merged, system_prompt=system_prompt or conversation.system_prompt)
     if not new and system_prompt is not None and system_prompt != conversation.system_prompt:
         store.update_conversation(cid, system_prompt=system_prompt)
     earlier = _unstored(store, cid, plan.earlier, conversation.message_count)

@@ -97,6 +97,18 @@ def assert_error(
             "context_length_exceeded",
             "messages",
         ),
+        (
+            {
+                "messages": [
+                    user("earlier"),
+                    {"role": "assistant", "content": "ok"},
+                    user("word " * 3000),
+                ],
+                "conversation": "too-long-after",
+            },
+            "context_length_exceeded",
+            "messages",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(
@@ -104,7 +116,7 @@ def test_bad_requests_get_openai_errors(
 ) -> None:
     response = chat(tiny_server, body)
     assert_error(response, 400, code, param)
-    if body.get("conversation") in ("too-long", "no-room"):
+    if body.get("conversation") in ("too-long", "too-long-after", "no-room"):
         with tiny_server.store() as store:  # nothing was stored for the refused turn
             assert store.messages(body["conversation"]) == []
 
