@@ -50,6 +50,9 @@ __all__ = ["chat_completion"]
 logger = logging.getLogger("chatctx.serve")
 
 
+STATELESS_PREFIX = "stateless-"  # the stored ids of requests without a conversation
+
+
 @dataclass
 class _Plan:
     """A request split into what is stored and what is sent."""
@@ -347,7 +350,7 @@ async def _open_turn(
         else:
             assert service.ephemeral is not None
             ephemeral = service.ephemeral
-            stored_id = f"stateless-{uuid.uuid4().hex}"
+            stored_id = f"{STATELESS_PREFIX}{uuid.uuid4().hex}"
             opening = [(m.stored_role, m.text()) for m in request.messages[:2]]
             owner = OwnedAs(backend, stateless_owner(tenant.name, opening))
             # Made without the database: the turn's worker thread creates its conversation.

@@ -14,7 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from chatctx.errors import ConversationNotFound
 from chatctx.monitor import SlotTable, memory_snapshot, prometheus_text, totals
-from chatctx.serve._chat import chat_completion
+from chatctx.serve._chat import STATELESS_PREFIX, chat_completion
 from chatctx.serve._errors import not_found
 from chatctx.serve._http import LOG_KEY
 from chatctx.serve._schemas import CONVERSATION_ID, ChatCompletionRequest, ErrorResponse
@@ -127,14 +127,15 @@ async def list_conversations(
 ) -> dict[str, Any]:
     """This tenant's conversations ordered by id; page on with ``after`` = the last id."""
     store, _ = service.require_ready()
-    every = await asyncio.to_thread(store.list_conversations)
-    mine = sorted(
-        (tenant.client_id(c.id), c)
-        for c in every
-        if tenant.owns(c.id) and not c.id.startswith("stateless-")
+    prefix = tenant.stored_id("")
+    rows = await asyncio.to_thread(
+        store.conversations_page,
+        prefix=prefix,
+        after=None if after is None else prefix + after,
+        limit=limit + 1,  # one more tells whether there is a next page
+        exclude_prefix=STATELESS_PREFIX,
     )
-    if after is not None:
-        mine = [(cid, c) for cid, c in mine if cid > after]
+    mine = [(tenant.client_id(c.id), c) for c in rows]
     page = mine[:limit]
     data = [
         {

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import ColumnElement, delete, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
@@ -317,6 +317,45 @@ class Store(PlacementStore, CacheMixin, Closeable):
         )
         with self._session() as session:
             return [_conversation(row, n) for row, n in session.execute(query)]
+
+    def conversations_page(
+        self,
+        *,
+        prefix: str = "",
+        after: str | None = None,
+        limit: int = 100,
+        exclude_prefix: str | None = None,
+    ) -> list[Conversation]:
+        """At most ``limit`` conversations whose id starts with ``prefix`` (and not with
+        ``exclude_prefix``), ordered by id in code point order, the first after ``after``.
+
+        One page read from the database, with the message counts of that page only (list
+        every conversation with ``list_conversations``).
+        """
+        # Code point order (SQLite's and Python's) on PostgreSQL too, whatever its locale.
+        postgres = self.engine.dialect.name == "postgresql"
+        ident: ColumnElement[str] = (
+            ConversationRow.id.collate("C") if postgres else ConversationRow.id.expression
+        )
+        query = select(ConversationRow).order_by(ident).limit(limit)
+        if prefix:
+            query = query.where(ConversationRow.id.startswith(prefix, autoescape=True))
+        if exclude_prefix:
+            query = query.where(~ConversationRow.id.startswith(exclude_prefix, autoescape=True))
+        if after is not None:
+            query = query.where(ident > after)
+        with self._session() as session:
+            rows = list(session.scalars(query))
+            if not rows:
+                return []
+            counts: dict[str, int] = dict(
+                session.execute(
+                    select(MessageRow.conversation_id, func.count())
+                    .where(MessageRow.conversation_id.in_([r.id for r in rows]))
+                    .group_by(MessageRow.conversation_id)
+                ).all()
+            )
+            return [_conversation(row, counts.get(row.id, 0)) for row in rows]
 
     @_retry_busy
     def delete_conversation(self, conversation_id: str) -> None:

@@ -1,10 +1,12 @@
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.pool import NullPool
 
 from chatctx.errors import ConversationNotFound, StoreError
 from chatctx.store import Store
@@ -79,6 +81,56 @@ def test_delete_cascades(db_url: str) -> None:
         store.delete_conversation("c")
         with store.engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM messages")).scalar() == 0
+
+
+def test_conversations_page_in_code_point_order(db_url: str) -> None:
+    page_through(db_url)
+
+
+def test_conversations_page_ignores_the_database_locale(pg_server: str) -> None:
+    # A database whose collation sorts "a_2" before "a-2" and "b" before "B".
+    name = f"chatctx_icu_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(pg_server, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(
+            text(
+                f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu "
+                "ICU_LOCALE 'en-US' LOCALE 'C'"
+            )
+        )
+    try:
+        page_through(make_url(pg_server).set(database=name).render_as_string(False))
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+
+
+def page_through(db_url: str) -> None:
+    # Ids a locale collation or a LIKE pattern would get wrong: case, punctuation, wildcards.
+    ids = ["acme:b", "acme:B", "acme:a-2", "acme:a_2", "acme:a%", "acme:é", "acme:Z9",
+           "acmeX:1", "acm:1", "stateless-1", "acme:stateless-2"]  # fmt: skip
+    with Store(db_url) as store:
+        for cid in ids:
+            store.create_conversation(cid)
+        for _ in range(3):
+            store.add_message("acme:B", "user", "hi")
+        mine = sorted(i for i in ids if i.startswith("acme:"))  # the oracle: Python's order
+        pages, after = [], None
+        while True:
+            page = store.conversations_page(prefix="acme:", after=after, limit=3)
+            pages.append([c.id for c in page])
+            if len(page) < 3:
+                break
+            after = page[-1].id
+        assert [i for p in pages for i in p] == mine
+        assert all(len(p) == 3 for p in pages[:-1])
+        counts = {c.id: c.message_count for c in store.conversations_page(prefix="acme:")}
+        assert counts["acme:B"] == 3 and counts["acme:b"] == 0
+        everyone = store.conversations_page(exclude_prefix="stateless-", limit=100)
+        assert [c.id for c in everyone] == sorted(i for i in ids if i != "stateless-1")
+        assert store.conversations_page(prefix="acme:a_") == [  # "_" is not a wildcard
+            c for c in store.conversations_page(prefix="acme:") if c.id == "acme:a_2"
+        ]
 
 
 def test_bad_url_is_a_store_error(tmp_path: Path) -> None:
