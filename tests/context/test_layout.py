@@ -159,8 +159,8 @@ def test_append_layout_only_deletes_spans_and_appends(
 ) -> None:
     codec = llama3_codec
     previous: list[dict[str, Any]] | None = None
-    for result, cached, history in converse(
-        codec, "append", turns, budget, recall=recall, max_summary=budget // 3, low=low
+    for number, (result, cached, history) in enumerate(
+        converse(codec, "append", turns, budget, recall=recall, max_summary=budget // 3, low=low)
     ):
         plan = result.plan
         assert plan.layout == "append"
@@ -176,7 +176,13 @@ def test_append_layout_only_deletes_spans_and_appends(
         # order; what is not is at the end, closed by the new message.
         # (A recall section is sent anew each turn, even one that repeats the last one.)
         before = [m for m in [*previous, history[-1].to_openai()] if not is_recall(m)]
-        found = kept_in(result.messages, before)
+        # The last message is the new one, even where its text repeats an earlier message's
+        # (kept_in matches by content).
+        assert result.messages[-1] == {
+            "role": "user",
+            "content": user_text(number, turns[number][0]),
+        }
+        found = [*kept_in(result.messages[:-1], before), None]
         k = len(found)
         while k > 0 and found[k - 1] is None:
             k -= 1
