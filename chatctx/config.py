@@ -98,10 +98,20 @@ class ContextSettings(_Model):
         "is made on this turn instead of a few turns later (policy watermarks).",
     )
     recall_k: int = Field(5, ge=1, le=50, description="Most evicted messages one turn may recall.")
-    recall_trigger: Literal["question", "always"] = Field(
+    recall_trigger: Literal["question", "any-question", "always"] = Field(
         "question",
-        description="question: recall only for a message that may ask about the past (a "
-        "question, or words such as 'remind', 'told', 'mentioned'); always: every message.",
+        description="question: recall for a message that asks back (a question about the "
+        "speaker, 'what's my dog called?', or pointing back, 'what was it again?'; or words "
+        "such as 'remind', 'told', 'mentioned'), and for another question only a match by "
+        "meaning at least recall_near_similarity close; any-question: every question in "
+        "full; always: every message.",
+    )
+    recall_near_similarity: float = Field(
+        0.5,
+        ge=-1,
+        le=1.01,
+        description="With recall by meaning and trigger question: how close a match must be "
+        "for a question that does not ask back to recall it (above 1: never).",
     )
     recall_search: Literal["auto", "meaning", "words"] = Field(
         "auto",

@@ -24,6 +24,7 @@ from chatctx.context._recall import (
     drop_said,
     fit_recall,
     group_hits,
+    is_question,
     known_text,
     render_section,
     repeats,
@@ -443,11 +444,27 @@ class ContextBuilder:
         return self.summarizer is not None and self.settings.summarizer != "none"
 
     def _recalls(self, message: str) -> bool:
-        """Whether this message gets a recall search (settings and trigger)."""
+        """Whether this message is owed a recall search (settings and trigger)."""
         s = self.settings
         if self.recall is None or not s.recall or s.recall_budget <= 0:
             return False
+        if s.recall_trigger == "any-question":
+            return is_question(message)
         return s.recall_trigger == "always" or asks_back(message)
+
+    def _near_only(self, message: str) -> bool:
+        """Whether this message recalls only a near match: a question that does not ask back,
+        with recall by meaning (its scores are cosine similarities)."""
+        s = self.settings
+        return (
+            s.recall
+            and s.recall_budget > 0
+            and s.recall_trigger == "question"
+            and s.recall_near_similarity <= 1
+            and getattr(self.recall, "by_meaning", False)
+            and is_question(message)
+            and not asks_back(message)
+        )
 
     def _recall(
         self,
@@ -462,11 +479,14 @@ class ContextBuilder:
         """What to recall for this prompt: (message, text sent, score), best first. ``said``
         gives the rest of the prompt's texts: a sentence it holds is not recalled again."""
         s, search = self.settings, self.recall
-        if search is None or window_start <= 0 or not self._recalls(query):
+        near = not self._recalls(query) and self._near_only(query)
+        if search is None or window_start <= 0 or not (near or self._recalls(query)):
             return []
         t0 = self._clock()
         try:
             found = search(query, window_start, s.recall_k + len(pinned_ids))
+            if near and max((score for _, score in found), default=-1) < s.recall_near_similarity:
+                found = []
         except Exception as exc:  # recall is optional: a failing search never fails a turn
             plan.recall_error = f"{type(exc).__name__}: {exc}"
             logger.warning("recall search failed, nothing recalled: %s", plan.recall_error)

@@ -78,6 +78,8 @@ class MeaningSearch:
     replies=True)`` lists them.
     """
 
+    by_meaning = True  # scores are cosine similarities (ContextSettings.recall_near_similarity)
+
     def __init__(
         self,
         messages: Callable[[], Sequence[Message]],

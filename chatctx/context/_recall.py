@@ -27,7 +27,8 @@ class RecallSearch(Protocol):
 
     Returns (message, score) best first, higher scores better. A matched user message may be
     followed by the assistant message right after it (its reply) with the same score
-    (``Store.search_messages(..., replies=True)``).
+    (``Store.search_messages(..., replies=True)``). A search whose scores are cosine
+    similarities says so with ``by_meaning = True``.
     """
 
     def __call__(
@@ -49,6 +50,12 @@ class Hit:
 _CUES = frozenset(
     "remind remember recall earlier said told mentioned forgot forget".split()  # noqa: SIM905
 )
+# In a question, words that point back at something said before ("what's it called again?",
+# "which one did you recommended?").
+_POINTING = _CUES | {"again", "recommended", "suggested"}
+# The speaker, typed the way people type it ("i'm" is "i" and "m"; "im", "ive" without the
+# apostrophe). A question about the speaker is what an evicted message answers.
+_SELF = frozenset("i me my mine myself im ive we us our ours".split())  # noqa: SIM905
 
 
 # A question without its question mark ("where did I park") starts with one of these, the
@@ -67,15 +74,33 @@ _FILLERS = frozenset(
 )
 
 
-def asks_back(text: str) -> bool:
-    """Whether a message may be asking about something said earlier: a question (with or
-    without its question mark, after fillers such as "ok so"), or a cue such as "remind me"
-    or "you told me". Other messages are not worth the recall tokens."""
-    words = _WORD.findall(text.casefold())
-    if "?" in text or any(w in _CUES for w in words):
-        return True
+def _asking(text: str, words: Sequence[str]) -> bool:
     first = next((w for w in words[:4] if w not in _FILLERS), None)
-    return first in _ASKING
+    return "?" in text or first in _ASKING
+
+
+def is_question(text: str) -> bool:
+    """Whether a message asks something: a question mark, or a question word first (after
+    fillers such as "ok so"), or a cue such as "remind me"."""
+    words = _WORD.findall(text.casefold())
+    return _asking(text, words) or any(w in _CUES for w in words)
+
+
+def asks_back(text: str) -> bool:
+    """Whether a message asks about something said earlier: a cue ("remind me", "you told
+    me"), or a question (with or without its question mark) about the speaker ("what's my
+    dog called?", "where did i park") or pointing back ("what was it called again?").
+
+    Other questions ("what do you do for fun?") are mostly about what is being said now:
+    recall for them only on a near match (``ContextSettings.recall_near_similarity``).
+    """
+    if any(w in _CUES for w in _WORD.findall(text.casefold())):
+        return True
+    for _, sentence in sentences(text):
+        words = _WORD.findall(sentence.casefold())
+        if _asking(sentence, words) and any(w in _SELF or w in _POINTING for w in words):
+            return True
+    return False
 
 
 def _normalized(text: str) -> list[str]:

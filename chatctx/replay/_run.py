@@ -62,8 +62,10 @@ class ReplayConfig(_Model):
     recall: bool = Field(True, description="Recall evicted messages matching the new one.")
     recall_budget: int = Field(160, ge=0, description="Most tokens of recalled messages.")
     recall_k: int = Field(5, ge=1, le=50, description="Most messages recalled per turn.")
-    recall_trigger: Literal["question", "always"] = Field(
-        "question", description="Recall for questions only, or for every message."
+    recall_trigger: Literal["question", "any-question", "always"] = Field(
+        "question",
+        description="Recall for messages that ask back (and other questions on a near match), "
+        "every question, or every message.",
     )
     recall_search: Literal["auto", "meaning", "words"] = Field(
         "auto", description="Recall by meaning (embeddings), by words (BM25), or auto."

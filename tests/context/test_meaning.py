@@ -223,3 +223,33 @@ def test_an_answer_outranks_a_closer_question_from_the_other_side(
         assert got[mid] == pytest.approx(score, abs=1e-5)
     unprimed = meaning(store, embedder, question_discount=0.0, reply_discount=0.0)
     assert unprimed(question, answer[-1].position + 1, 1)[0][0].id == asked[1].id
+
+
+def test_a_question_that_does_not_ask_back_recalls_only_a_near_match(
+    llama3_codec: TiktokenCodec, store: Store, embedder: Embedder
+) -> None:
+    turns = fill(store)
+    state = ContextState(window_start=turns[-1][-1].position + 1)  # all of it evicted
+
+    def recalled(question: str, **settings: object) -> list[int]:
+        config = ContextSettings(summarizer="none", **settings)  # type: ignore[arg-type]
+        built = ContextBuilder(llama3_codec, config, recall=meaning(store, embedder)).build(
+            system_prompt=SYSTEM, history=[], new_message=question, budget=2000, state=state
+        )
+        return built.plan.recalled_ids
+
+    def closest(question: str) -> float:  # the oracle: cosines from the embedder, by sentence
+        parts = [
+            p for u, a in CHAT for text in (u, a) for p in text.replace(".", ".\n").split("\n")
+        ]
+        vectors = embedder.embed([p for p in parts if p.strip()])
+        return float(np.max(vectors @ embedder.embed([question])[0]))
+
+    near, far = "Is shellfish a common allergy?", "what's the best pizza topping?"
+    assert closest(near) >= 0.5 > closest(far)
+    assert recalled(near)[0] == turns[FACT][0].id  # not about the speaker, but close
+    assert recalled(far) == []  # not about the speaker, nothing close: no recall tokens
+    assert recalled(far, recall_trigger="any-question")  # every question recalls in full
+    assert recalled(near, recall_near_similarity=1.01) == []  # the near path off
+    # A question about the speaker recalls whatever the threshold of a match allows.
+    assert recalled("what was i telling you about shellfish?", recall_near_similarity=1.01)

@@ -14,7 +14,7 @@ import pytest
 
 from chatctx.config import ContextSettings
 from chatctx.context import RECALL_HEADER, BuildResult, ContextBuilder, ContextState
-from chatctx.context._recall import Hit, asks_back, fit_recall, render_section
+from chatctx.context._recall import Hit, asks_back, fit_recall, is_question, render_section
 from chatctx.engine._codec import TiktokenCodec
 from chatctx.store import Message, Store
 
@@ -164,7 +164,7 @@ def test_failing_search_never_fails_the_turn(llama3_codec: TiktokenCodec) -> Non
     built = ContextBuilder(llama3_codec, ContextSettings(summarizer="none"), recall=broken).build(
         system_prompt=SYSTEM,
         history=[],
-        new_message="what was it?",
+        new_message="what was it again?",
         budget=500,
         state=ContextState(window_start=4),
     )
@@ -272,10 +272,31 @@ def test_a_long_match_sends_its_closest_sentence_so_the_next_match_fits() -> Non
         ("lol anyway the movie was good", False),
         ("I did it in the end", False),  # an auxiliary, but not where a question starts
         ("so tired today, long shift", False),
+        # A question asks back when it is about the speaker or points back.
+        ("what do you do for fun?", False),
+        ("who's your teacher?", False),
+        ("Does it snow a lot there. I always pictured it warm", False),  # "I" not in the ask
+        ("what was it called again?", True),
+        ("did we book the 7pm or the 8pm", True),
+        ("which one did you recommended?", True),
+        ("im new here. whats my ticket number", True),
     ],
 )
 def test_asks_back(text: str, asks: bool) -> None:
     assert asks_back(text) is asks
+
+
+@pytest.mark.parametrize(
+    ("text", "question"),
+    [
+        ("what do you do for fun?", True),
+        ("ok so how was the trip", True),
+        ("remind me later", True),  # a cue
+        ("lol anyway the movie was good", False),
+    ],
+)
+def test_is_question(text: str, question: bool) -> None:
+    assert is_question(text) is question
 
 
 def test_a_question_gets_its_recall_room_from_the_oldest_kept_turns(
