@@ -337,6 +337,8 @@ async def _open_turn(
                 service.locks.release(stored_id)
 
             cleanup.append(release_lock)
+            # Other serve processes on this database: one turn of a conversation at a time.
+            cleanup.append(await service.claim_turn(service.require_ready()[0], stored_id))
             session, fresh = await service.session(stored_id)
             before = functools.partial(
                 _apply,

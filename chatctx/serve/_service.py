@@ -12,10 +12,13 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from chatctx.backend import Backend, Codec, Lease, MemorySnapshot, ModelInfo, Stream, TextEmbedder
@@ -218,6 +221,9 @@ def warm_up(backend: Backend) -> None:
             logger.warning("%s not ready ahead of the first turn: %s", name, exc)
 
 
+CLAIM_TTL_S = 60.0  # a turn claim's life, renewed every third of it while the turn runs
+
+
 class Service:
     """The store, the backend, the sessions kept open, the limits and the drain state."""
 
@@ -233,6 +239,8 @@ class Service:
         self.tenancy = Tenancy(config.api_keys)
         self.limiter = TurnLimiter(limits.max_concurrent_turns, retry_after=limits.retry_after_s)
         self.locks = ConversationLocks(limits.conversation_wait_s)
+        # This process, in the store's turn claims (several serve processes, one database).
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.metrics = ServeMetrics()
         self.backend = backend
         self.store = store
@@ -295,6 +303,42 @@ class Service:
         if self.config.model_id:
             return self.config.model_id
         return self.backend.model_name if self.backend is not None else "chatctx"
+
+    async def claim_turn(self, store: Store, stored_id: str) -> Callable[[], Awaitable[None]]:
+        """Claim the conversation's turn in the store, against other serve processes on the
+        database (this process's own turns take ``locks`` first); the claim is renewed while
+        the turn runs. 409 ``conversation_busy`` after ``conversation_wait_s``. Returns the
+        coroutine function that lets the claim go."""
+        wait_s = self.config.limits.conversation_wait_s
+        deadline = time.monotonic() + wait_s
+        pause = 0.02
+        while not await asyncio.to_thread(store.claim_turn, stored_id, self.owner, CLAIM_TTL_S):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise APIError(
+                    409,
+                    f"another process is taking a turn of this conversation after {wait_s:g} s; "
+                    "retry when it has finished",
+                    code="conversation_busy",
+                )
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(CLAIM_TTL_S / 3)
+                try:
+                    await asyncio.to_thread(store.claim_turn, stored_id, self.owner, CLAIM_TTL_S)
+                except ChatctxError as exc:  # the next try may get through; the turn goes on
+                    logger.warning("renewing the turn claim of %s failed: %s", stored_id, exc)
+
+        renewal = asyncio.get_running_loop().create_task(renew())
+
+        async def release() -> None:
+            renewal.cancel()
+            await asyncio.to_thread(store.release_turn, stored_id, self.owner)
+
+        return release
 
     def require_ready(self) -> tuple[Store, Backend]:
         if self.draining:

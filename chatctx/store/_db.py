@@ -18,6 +18,7 @@ from chatctx._resource import Closeable
 from chatctx.errors import ContextStateConflict, ConversationNotFound, StoreError
 from chatctx.store import _migrate
 from chatctx.store._caches import CacheMixin, insert_if_missing
+from chatctx.store._claims import TurnClaimStore
 from chatctx.store._connect import _retry_busy, create_db_engine
 from chatctx.store._models import (
     ContextStateRow,
@@ -138,7 +139,7 @@ def _add_turn(session: Session, conversation_id: str, figures: Mapping[str, Any]
     return row
 
 
-class Store(PlacementStore, CacheMixin, Closeable):
+class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
     """Conversations, messages, summaries and per-turn figures in one database.
 
     Opening a store upgrades its schema to the newest migration. Use as a context manager.

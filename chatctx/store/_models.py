@@ -242,3 +242,19 @@ class PlacementRow(Base):
     moves: Mapped[int] = mapped_column(Integer, default=0)
     moved_from: Mapped[str | None] = mapped_column(String(255))
     move_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class TurnClaimRow(Base):
+    """Which process is taking a turn of a conversation now, until when (``chatctx serve``).
+
+    Several serve processes on one database take one conversation's turns one at a time: a
+    turn claims the row, renews it while it runs and deletes it when done. A process that
+    died leaves a claim that ends at ``expires_at``. No foreign key: a turn claims its
+    conversation before it stores anything (the first turn creates it).
+    """
+
+    __tablename__ = "turn_claims"
+
+    conversation_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -1,0 +1,56 @@
+"""Turn claims: one owner at a time per conversation, across processes (SQLite and PostgreSQL).
+
+Oracles: which of several racing processes won (counted from their own answers, each in a
+process of its own), the row read back, and expiry measured against the clock.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+from chatctx.store import Store
+
+
+def test_one_owner_at_a_time_until_it_lets_go_or_expires(db_url: str) -> None:
+    with Store(db_url) as store:
+        assert store.turn_claim("c") is None
+        assert store.claim_turn("c", "a", 30)  # before the conversation exists: no key needed
+        assert not store.claim_turn("c", "b", 30)
+        assert store.claim_turn("c", "a", 30)  # a renewal
+        owner, until = store.turn_claim("c") or ("", None)
+        assert owner == "a" and until is not None
+        store.release_turn("c", "b")  # not b's to let go
+        assert store.turn_claim("c") is not None and not store.claim_turn("c", "b", 30)
+        store.release_turn("c", "a")
+        assert store.turn_claim("c") is None
+        assert store.claim_turn("c", "b", 0.3)
+        assert not store.claim_turn("c", "a", 30)
+        time.sleep(0.5)  # b's claim ran out (its process died, say): a takes it over
+        assert store.claim_turn("c", "a", 30)
+        store.release_turn("c", "b")  # b, back too late, cannot free what a holds now
+        assert (store.turn_claim("c") or ("",))[0] == "a"
+        assert store.claim_turn("other", "b", 30)  # conversations are claimed apart
+
+
+def _race(url: str, owner: str, start: float, won: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    with Store(url) as store:
+        time.sleep(max(0.0, start - time.time()))
+        won.put((owner, store.claim_turn("race", owner, 30)))
+
+
+def test_processes_racing_for_one_conversation_one_wins(db_url: str) -> None:
+    Store(db_url).close()  # migrated once, here
+    ctx = multiprocessing.get_context("spawn")
+    won: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+    start = time.time() + 3.0
+    racers = [ctx.Process(target=_race, args=(db_url, f"p{i}", start, won)) for i in range(6)]
+    for p in racers:
+        p.start()
+    for p in racers:
+        p.join(60)
+    results = dict(won.get(timeout=5) for _ in racers)
+    winners = [owner for owner, ok in results.items() if ok]
+    assert len(results) == 6 and len(winners) == 1
+    with Store(db_url) as store:
+        assert (store.turn_claim("race") or ("",))[0] == winners[0]
