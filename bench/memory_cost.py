@@ -1,7 +1,8 @@
 """Where the prefill goes beyond the new tokens: recall, summary extensions, compactions.
 
     python bench/memory_cost.py [--budget 1024] [--chats 40] [--simulate llama-server|engine]
-        [--no-recall] [--probes bench/facts/final_probes.jsonl.gz]
+        [--no-recall] [--recall-trigger question|any-question|always]
+        [--probes bench/facts/final_probes.jsonl.gz]
 
 Dry replays (no model) of the probe set's chats through the simulated cache of the engine or
 of llama-server (``DryBackend``; the live rows of ``llama_server_bench.py peers`` reproduce
@@ -33,6 +34,9 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=40)
     parser.add_argument("--simulate", choices=["engine", "llama-server"], default="llama-server")
     parser.add_argument("--no-recall", action="store_true")
+    parser.add_argument(
+        "--recall-trigger", choices=["question", "any-question", "always"], default="question"
+    )
     parser.add_argument("--probes", type=Path, default=rb.HERE / "facts" / "final_probes.jsonl.gz")
     args = parser.parse_args()
     model = default_model_path()
@@ -51,7 +55,11 @@ def main() -> None:
     ContextBuilder.build = recording  # type: ignore[method-assign]
     edits = "in-place" if args.simulate == "engine" else "deletions"
     config = ReplayConfig(
-        mode="teacher", budget=args.budget, reserve=RESERVE, recall=not args.no_recall
+        mode="teacher",
+        budget=args.budget,
+        reserve=RESERVE,
+        recall=not args.no_recall,
+        recall_trigger=args.recall_trigger,
     )
     for c in conversations[: args.chats]:
         turns: list[Any] = []
@@ -62,10 +70,19 @@ def main() -> None:
             ) as dry,
             Replayer(config, engine=dry) as replayer,
         ):
-            replayer.replay(c, on_turn=turns.append)
+            report = replayer.replay(c, on_turn=turns.append)
         totals["new"] += sum(new_tokens(codec, full_messages(c)))
-        for turn, (built, before) in zip(turns, builds[-len(turns) :], strict=True):
+        totals["retained"] += report.retained_in_context
+        totals["probes"] += report.probes
+        asked = {p.asked_turn for p in c.probes}
+        for index, (turn, (built, before)) in enumerate(
+            zip(turns, builds[-len(turns) :], strict=True)
+        ):
             plan = built.plan
+            if plan.recalled_ids:  # recall's tokens on the turns that ask for a planted fact
+                probe = "probe" if index in asked else "other"
+                totals[f"recall turns: {probe}"] += 1
+                totals[f"recall tokens: {probe}"] += plan.sections["recall"]
             kind = []
             if plan.evicted:
                 kind.append("evicting")
@@ -85,7 +102,13 @@ def main() -> None:
         f"{args.chats} chats, budget {args.budget}, {args.simulate} cache, recall "
         f"{'off' if args.no_recall else 'on'}: evaluated {evaluated:,}, new {new:,}, recalled "
         f"{recalled:,}; amplification {evaluated / new:.2f}, recalled as new "
-        f"{evaluated / (new + recalled):.2f}"
+        f"{evaluated / (new + recalled):.2f}; fact retention {totals['retained']}/"
+        f"{totals['probes']}"
+    )
+    print(
+        f"recall on the {totals['recall turns: probe']:,} turns that ask for a planted fact: "
+        f"{totals['recall tokens: probe']:,} tokens; on {totals['recall turns: other']:,} "
+        f"others: {totals['recall tokens: other']:,}"
     )
     print("| turns | count | evaluated beyond their new and recalled tokens |\n|---|---|---|")
     labels = sorted({k.split(": ", 1)[1] for k in totals if k.startswith("turns: ")})
