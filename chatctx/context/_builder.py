@@ -315,7 +315,7 @@ class ContextBuilder:
             and budget - total < s.recall_budget
             and state.window_start > 0
             and bool(turns)
-            and self._recalls(new_message)
+            and self._recalls(new_message) == "full"
         )
         if total > high_limit or recall_room:
             plan.evicted = True
@@ -443,28 +443,25 @@ class ContextBuilder:
     def _summarizing(self) -> bool:
         return self.summarizer is not None and self.settings.summarizer != "none"
 
-    def _recalls(self, message: str) -> bool:
-        """Whether this message is owed a recall search (settings and trigger)."""
+    def _recalls(self, message: str) -> str | None:
+        """How this message recalls (settings and trigger): ``"full"``, owed a search and
+        its room; ``"near"``, a question that does not ask back, with recall by meaning
+        (cosine scores): only a match ``recall_near_similarity`` close; None: not at all."""
         s = self.settings
         if self.recall is None or not s.recall or s.recall_budget <= 0:
-            return False
+            return None
+        if s.recall_trigger == "always":
+            return "full"
         if s.recall_trigger == "any-question":
-            return is_question(message)
-        return s.recall_trigger == "always" or asks_back(message)
-
-    def _near_only(self, message: str) -> bool:
-        """Whether this message recalls only a near match: a question that does not ask back,
-        with recall by meaning (its scores are cosine similarities)."""
-        s = self.settings
-        return (
-            s.recall
-            and s.recall_budget > 0
-            and s.recall_trigger == "question"
-            and s.recall_near_similarity <= 1
+            return "full" if is_question(message) else None
+        if asks_back(message):
+            return "full"
+        near = (
+            s.recall_near_similarity <= 1
             and getattr(self.recall, "by_meaning", False)
             and is_question(message)
-            and not asks_back(message)
         )
+        return "near" if near else None
 
     def _recall(
         self,
@@ -479,13 +476,14 @@ class ContextBuilder:
         """What to recall for this prompt: (message, text sent, score), best first. ``said``
         gives the rest of the prompt's texts: a sentence it holds is not recalled again."""
         s, search = self.settings, self.recall
-        near = not self._recalls(query) and self._near_only(query)
-        if search is None or window_start <= 0 or not (near or self._recalls(query)):
+        mode = self._recalls(query)
+        if search is None or window_start <= 0 or mode is None:
             return []
         t0 = self._clock()
         try:
             found = search(query, window_start, s.recall_k + len(pinned_ids))
-            if near and max((score for _, score in found), default=-1) < s.recall_near_similarity:
+            best = max((score for _, score in found), default=-1.0)
+            if mode == "near" and best < s.recall_near_similarity:
                 found = []
         except Exception as exc:  # recall is optional: a failing search never fails a turn
             plan.recall_error = f"{type(exc).__name__}: {exc}"

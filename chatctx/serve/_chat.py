@@ -300,7 +300,7 @@ async def _open_turn(
 ) -> _Turn:
     """Check limits, take locks and start the reply (its worker thread first stores what the
     request adds: errors there reach the first ``next_delta``, before any output)."""
-    _, backend = service.require_ready()
+    store, backend = service.require_ready()
     limits = service.config.limits
     if len(request.messages) > limits.max_messages:
         raise APIError(
@@ -338,7 +338,7 @@ async def _open_turn(
 
             cleanup.append(release_lock)
             # Other serve processes on this database: one turn of a conversation at a time.
-            cleanup.append(await service.claim_turn(service.require_ready()[0], stored_id))
+            cleanup.append(await service.claim_turn(store, stored_id))
             session, fresh = await service.session(stored_id)
             before = functools.partial(
                 _apply,
