@@ -101,10 +101,11 @@ class ContextSettings(_Model):
     recall_trigger: Literal["question", "any-question", "always"] = Field(
         "question",
         description="question: recall for a message that asks back (a question about the "
-        "speaker, 'what's my dog called?', or pointing back, 'what was it again?'; or words "
-        "such as 'remind', 'told', 'mentioned'), and for another question only a match by "
-        "meaning at least recall_near_similarity close; any-question: every question in "
-        "full; always: every message.",
+        "speaker, 'what's my dog called?', or pointing back, 'what was it again?'; or "
+        "'remind me', 'i forgot what', 'you told me'; talk with a question in it, 'yeah I "
+        "know right?', does not), and for another question only a match by meaning at least "
+        "recall_near_similarity close; any-question: every question in full; always: every "
+        "message.",
     )
     recall_near_similarity: float = Field(
         0.5,

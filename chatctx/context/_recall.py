@@ -45,14 +45,11 @@ class Hit:
     score: float
 
 
-# Words that ask for something said before, in a message that is not a question ("again"
-# and "last" are not among them: "weird again today" asks for nothing).
+# Words that ask for something said before ("remind me later" is a question to
+# ``is_question``; "again" and "last" are not among them: "weird again today" asks nothing).
 _CUES = frozenset(
     "remind remember recall earlier said told mentioned forgot forget".split()  # noqa: SIM905
 )
-# In a question, words that point back at something said before ("what's it called again?",
-# "which one did you recommended?").
-_POINTING = _CUES | {"again", "recommended", "suggested"}
 # The speaker, typed the way people type it ("i'm" is "i" and "m"; "im", "ive" without the
 # apostrophe). A question about the speaker is what an evicted message answers.
 _SELF = frozenset("i me my mine myself im ive we us our ours".split())  # noqa: SIM905
@@ -73,6 +70,28 @@ _FILLERS = frozenset(
     """.split()  # noqa: SIM905
 )
 
+# What ``asks_back`` reads a clause by.
+_YOU = frozenset("you u ya youre ur yall".split())  # noqa: SIM905
+_AUXILIARY = frozenset("did do does is are was were have has had am".split())  # noqa: SIM905
+_MODAL = frozenset("can could would will should shall might may must".split())  # noqa: SIM905
+_QUESTION_WORD = _ASKING - _AUXILIARY - _MODAL
+# After a question word, these make a question ("where DID i park", "what'S my pin");
+# a subject first makes a clause ("when I was little", "which I find odd").
+_INVERTED = _AUXILIARY | _MODAL | {"s", "re", "d", "ll"}
+_JOINED = frozenset("whats wheres whens whos hows whys".split())  # noqa: SIM905
+_FORGETTING = frozenset("forgot forget forgetting forgotten blanking blanked".split())  # noqa: SIM905
+_NOT = frozenset("dont cant cannot not never couldnt t".split())  # "can't": "can", "t"  # noqa: SIM905
+_RECALLING = frozenset({"remember", "recall"})
+_TOLD = frozenset("said told mentioned recommended suggested".split())  # noqa: SIM905
+# In a question, words that point back at something said ("what's it called again?",
+# "which one did you recommended?", "do you remember where i parked?").
+_POINTING = _RECALLING | _TOLD | {"again", "earlier"}
+_CLAUSE = re.compile(r"[,;:]+\s*|\s+-+\s+")
+# Words: a longer clause is talk with a question in it ("yeah i know right? ..."), and a
+# sentence up to _SHORT words is one question even across a comma ("if I'm locked out,
+# where's the spare key?").
+_LONG, _SHORT = 16, 20
+
 
 def _asking(text: str, words: Sequence[str]) -> bool:
     first = next((w for w in words[:4] if w not in _FILLERS), None)
@@ -86,19 +105,86 @@ def is_question(text: str) -> bool:
     return _asking(text, words) or any(w in _CUES for w in words)
 
 
-def asks_back(text: str) -> bool:
-    """Whether a message asks about something said earlier: a cue ("remind me", "you told
-    me"), or a question (with or without its question mark) about the speaker ("what's my
-    dog called?", "where did i park") or pointing back ("what was it called again?").
+def _lead(words: Sequence[str]) -> Sequence[str]:
+    """``words`` from the first that is not a filler ("ok so where ...": "where ...")."""
+    start = 0
+    while start < min(4, len(words)) and words[start] in _FILLERS:
+        start += 1
+    return words[start:]
 
-    Other questions ("what do you do for fun?") are mostly about what is being said now:
-    recall for them only on a near match (``ContextSettings.recall_near_similarity``).
-    """
-    if any(w in _CUES for w in _WORD.findall(text.casefold())):
+
+def _not_knowing(words: Sequence[str]) -> bool:
+    """Whether the speaker asks for something said without a question: "remind me ...",
+    "i forgot / can't remember / am blanking on what ...", "remember which ...", "you told
+    me ..."."""
+    for i, word in enumerate(words):
+        if word in ("remind", "reminding"):
+            return True
+        agreeing = words[i - 2 : i - 1] in (["like"], ["as"])  # "like you said": asks nothing
+        if word in _TOLD and i and words[i - 1] in _YOU and not agreeing:
+            return True  # "you told me about a game"
+        forgetting = word in _FORGETTING or (
+            word in _RECALLING and (i == 0 or not _NOT.isdisjoint(words[max(0, i - 3) : i]))
+        )
+        if forgetting and any(w in _QUESTION_WORD or w == "name" for w in words[i + 1 : i + 4]):
+            return True
+    return False
+
+
+def _inverted(words: Sequence[str]) -> bool:
+    """Whether a clause that starts with a question word reads as a question."""
+    if words[0] in _JOINED:
         return True
+    if words[0] in ("what", "which", "whose") and words[1:2] and words[1] not in _SELF | _YOU:
+        return True  # "which bus gets me home", "what time did i say"
+    for word in words[1:5]:
+        if word in _INVERTED:
+            return True
+        if word in _SELF or word in _YOU:
+            return False
+    return False
+
+
+def _asks_back_in(clause: str, sentence: Sequence[str]) -> bool:
+    """Whether one clause of ``sentence`` (its words) asks about the speaker or points back."""
+    words = _lead(_WORD.findall(clause.casefold()))
+    if not words or len(words) > _LONG or words[0] in _YOU:
+        return False
+    first, marked = words[0], "?" in clause
+    if not (marked or first in _ASKING):
+        return False
+    pointing = not _POINTING.isdisjoint(words)
+    if not marked and first in _QUESTION_WORD and not (pointing or _inverted(words)):
+        return False
+    about = sentence if marked and len(sentence) <= _SHORT else words
+    speaker = not _SELF.isdisjoint(about)
+    if pointing and (speaker or "again" in words or first in _QUESTION_WORD):
+        return True
+    if not speaker:
+        return False
+    return first in _QUESTION_WORD or (
+        first in _AUXILIARY and len(words) > 1 and words[1] not in _YOU
+    )
+
+
+def asks_back(text: str) -> bool:
+    """Whether a message asks about something said earlier: a question about the speaker
+    ("what's my dog called?", "where did i park", "my cat, what breed is she?"), one that
+    points back ("what was it called again?", "do you remember what i said?"), or a
+    request without a question ("remind me ...", "i forgot what ...", "you told me ...").
+
+    Read clause by clause: a question starts there (after fillers such as "ok so") with a
+    question word or an auxiliary that is not followed by "you" ("did I", not "did you"),
+    or ends with a question mark. Talk that has a question mark or a question word in it
+    ("yeah I know right? ...", "when I was little ...", "can I tell you ...") does not ask
+    back. Other questions ("what do you do for fun?") are mostly about what is being said
+    now: recall for them only on a near match (``ContextSettings.recall_near_similarity``).
+    """
     for _, sentence in sentences(text):
         words = _WORD.findall(sentence.casefold())
-        if _asking(sentence, words) and any(w in _SELF or w in _POINTING for w in words):
+        if _not_knowing(_lead(words)):
+            return True
+        if any(_asks_back_in(clause, words) for clause in _CLAUSE.split(sentence)):
             return True
     return False
 

@@ -280,6 +280,27 @@ def test_a_long_match_sends_its_closest_sentence_so_the_next_match_fits() -> Non
         ("did we book the 7pm or the 8pm", True),
         ("which one did you recommended?", True),
         ("im new here. whats my ticket number", True),
+        # Clause by clause: the question after a comma, about the speaker named before it.
+        ("my cat, what breed is she?", True),
+        ("if I'm locked out, where's the spare key?", True),
+        ("which bus gets me to my office", True),  # a question word and a noun first
+        ("blanking on what my sister is called", True),
+        ("can't remember where i parked lol", True),
+        ("remember which band I mentioned", True),
+        ("do you remember what i said about the trip?", True),
+        # Talk with a question mark, a question word or a cue in it does not ask back.
+        ("yeah I know right? I've been carrying my mouse pad around too", False),
+        ("Even if I write my name on it?", False),
+        ("can I tell you about my trip?", False),  # asks to tell, not to be told
+        ("when we got to the car we drove home", False),  # a clause, not a question
+        ("I remember when I was little I climbed trees all day", False),
+        ("I forget that most people don't have summer birthdays.", False),
+        ("like you said, it's a good feeling to have a clean space", False),
+        (
+            "so when I was in high school I got sick of playing video games so much and I "
+            "felt it was a waste, do you know what I mean?",
+            False,  # "do you ...": a question to the listener
+        ),
     ],
 )
 def test_asks_back(text: str, asks: bool) -> None:
