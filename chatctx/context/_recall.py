@@ -45,8 +45,8 @@ class Hit:
     score: float
 
 
-# Words that ask for something said before ("remind me later" is a question to
-# ``is_question``; "again" and "last" are not among them: "weird again today" asks nothing).
+# Words that make any message a question to ``is_question`` ("remind me later", "you told
+# me"); "again" and "last" are not among them: "weird again today" asks nothing.
 _CUES = frozenset(
     "remind remember recall earlier said told mentioned forgot forget".split()  # noqa: SIM905
 )
