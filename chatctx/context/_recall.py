@@ -120,9 +120,10 @@ def _not_knowing(words: Sequence[str]) -> bool:
     for i, word in enumerate(words):
         if word in ("remind", "reminding"):
             return True
-        agreeing = words[i - 2 : i - 1] in (["like"], ["as"])  # "like you said": asks nothing
-        if word in _TOLD and i and words[i - 1] in _YOU and not agreeing:
-            return True  # "you told me about a game"
+        # "you told me about a game" asks back; "like you said" agrees and asks nothing.
+        told = word in _TOLD and i and words[i - 1] in _YOU
+        if told and (i < 2 or words[i - 2] not in ("like", "as")):
+            return True
         forgetting = word in _FORGETTING or (
             word in _RECALLING and (i == 0 or not _NOT.isdisjoint(words[max(0, i - 3) : i]))
         )
