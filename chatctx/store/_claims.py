@@ -7,16 +7,18 @@ releases it at the end. A claim another owner holds and has not let expire is re
 that expired (its process died) is taken over. Both are one compare-and-set statement, so
 two processes racing for one conversation never both win.
 
-Expiry is by each process's clock (UTC): machines whose clocks disagree by much more than a
-second should use a longer ``ttl_s``.
+Expiry is by the database's clock on PostgreSQL, so bot machines whose clocks disagree still
+agree on when a claim runs out; a SQLite file lives on one machine, whose clock its processes
+share.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import delete, or_, select, update
+from sqlalchemy import DateTime, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from chatctx.store._caches import insert_if_missing
@@ -36,9 +38,9 @@ class TurnClaimStore:
     def claim_turn(self, conversation_id: str, owner: str, ttl_s: float) -> bool:
         """Claim the conversation's turn for ``owner`` for ``ttl_s`` seconds from now, or
         renew ``owner``'s claim; False while another owner holds an unexpired claim."""
-        now = utcnow()
-        until = now + timedelta(seconds=ttl_s)
         with self._session(write=True) as session:
+            now = _now(session)
+            until = now + timedelta(seconds=ttl_s)
             values = {"conversation_id": conversation_id, "owner": owner, "expires_at": until}
             if insert_if_missing(session, TurnClaimRow, values, key=["conversation_id"]):
                 return True
@@ -72,3 +74,11 @@ class TurnClaimStore:
                 )
             ).first()
             return None if row is None else (row[0], row[1])
+
+
+def _now(session: Session) -> Any:
+    """Now, as the database's clock says where several machines share it (PostgreSQL: an
+    expression in the statement, UTC like the stored times), else this process's."""
+    if session.get_bind().dialect.name == "postgresql":
+        return func.timezone("UTC", func.clock_timestamp(), type_=DateTime)
+    return utcnow()

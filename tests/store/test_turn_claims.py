@@ -1,15 +1,20 @@
 """Turn claims: one owner at a time per conversation, across processes (SQLite and PostgreSQL).
 
 Oracles: which of several racing processes won (counted from their own answers, each in a
-process of its own), the row read back, and expiry measured against the clock.
+process of its own), the row read back, and expiry measured against the clock (on
+PostgreSQL against the database's, with this process's clock moved an hour).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import time
+from datetime import timedelta
+
+import pytest
 
 from chatctx.store import Store
+from chatctx.store import _claims as claims_module
 
 
 def test_one_owner_at_a_time_until_it_lets_go_or_expires(db_url: str) -> None:
@@ -54,3 +59,24 @@ def test_processes_racing_for_one_conversation_one_wins(db_url: str) -> None:
     assert len(results) == 6 and len(winners) == 1
     with Store(db_url) as store:
         assert (store.turn_claim("race") or ("",))[0] == winners[0]
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
+def test_on_postgresql_a_claim_runs_out_by_the_database_clock(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, skew_s: float
+) -> None:
+    """Two bot machines, one an hour off: neither steals the other's live claim, and an
+    expired one is still taken over. Oracle: the claims' answers against real elapsed time,
+    with this process's clock moved by ``skew_s`` for one owner only."""
+    real = claims_module.utcnow
+    with Store(pg_url) as store:
+        monkeypatch.setattr(claims_module, "utcnow", lambda: real() + timedelta(seconds=skew_s))
+        assert store.claim_turn("c", "skewed", 30)
+        monkeypatch.setattr(claims_module, "utcnow", real)
+        assert not store.claim_turn("c", "true", 30)  # 30 s left, whatever the writer's clock
+        store.release_turn("c", "skewed")
+        assert store.claim_turn("c", "true", 0.3)
+        monkeypatch.setattr(claims_module, "utcnow", lambda: real() + timedelta(seconds=skew_s))
+        assert not store.claim_turn("c", "skewed", 30)  # 0.3 s are not over yet
+        time.sleep(0.5)
+        assert store.claim_turn("c", "skewed", 30)  # now they are
