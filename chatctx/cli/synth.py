@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import gzip
-import json
 import sys
 from pathlib import Path
 from typing import TextIO
 
 import click
 
+from chatctx._json import json_line
 from chatctx.cli._common import handle_errors
 from chatctx.synthetic import support_conversation
 
@@ -40,7 +40,7 @@ def synth(count: int, turns: int, seed: int, output: Path | None) -> None:
     def emit(out: TextIO) -> None:
         for i in range(count):
             conv = support_conversation(turns, seed=seed + i, conversation_id=f"synth-{seed + i}")
-            out.write(json.dumps(conv, ensure_ascii=False) + "\n")
+            out.write(json_line(conv) + "\n")
 
     if output is None:
         emit(sys.stdout)

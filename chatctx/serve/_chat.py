@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
 import uuid
@@ -29,6 +28,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from chatctx._json import json_line
 from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.errors import ChatctxError, ConversationNotFound
 from chatctx.serve._errors import APIError, error_body, from_chatctx, stored_already
@@ -441,7 +441,7 @@ async def chat_completion(
 
 
 def _sse(data: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return f"data: {json_line(data)}\n\n".encode()
 
 
 async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:

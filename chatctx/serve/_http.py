@@ -7,7 +7,6 @@ message's text.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -15,6 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from chatctx._json import json_line
 from chatctx.serve._errors import APIError
 from chatctx.serve._service import Service
 
@@ -94,7 +94,7 @@ class ServeMiddleware:
                     "client": (scope.get("client") or ("-",))[0],
                     **log,
                 }
-                access_logger.info(json.dumps(entry, ensure_ascii=False, default=str))
+                access_logger.info(json_line(entry, default=str))
 
 
 async def _read_body(receive: Receive, limit: int, declared: str | None) -> bytes | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -12,6 +11,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from chatctx._json import json_line
 from chatctx.errors import ConversationNotFound
 from chatctx.monitor import SlotTable, memory_snapshot, prometheus_text, totals
 from chatctx.serve._chat import STATELESS_PREFIX, chat_completion
@@ -210,7 +210,7 @@ async def export(conversation: ConversationId, tenant: TenantDep, service: Servi
     store, stored_id = await _owned(service, tenant, conversation)
     record = await asyncio.to_thread(export_conversation, store, stored_id)
     record["id"] = conversation
-    line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
+    line = json_line(record, default=str) + "\n"
     return Response(line, media_type="application/x-ndjson")
 
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol, TextIO
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
+from chatctx._json import json_line
 from chatctx.config import ContextSettings, GenerationSettings
 from chatctx.errors import ImportFormatError
 from chatctx.store._connect import _retry_busy
@@ -346,7 +347,7 @@ def export_jsonl(store: Store, conversation_ids: Iterable[str], out: TextIO) -> 
     """Write each conversation as one line; returns how many were written."""
     count = 0
     for cid in conversation_ids:
-        out.write(json.dumps(export_conversation(store, cid), ensure_ascii=False) + "\n")
+        out.write(json_line(export_conversation(store, cid)) + "\n")
         count += 1
     return count
 
