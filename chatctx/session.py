@@ -6,59 +6,51 @@
         reply = chat.send("My order 1234 has not arrived")
         for chunk in chat.stream("Can you check again?"):
             print(chunk, end="")
+
+How a turn's context is built (builder, budget, recall search, summaries) lives in
+``_session_context``, the asyncio bridge in ``_session_async``, and the storing of a turn
+with its record in ``_turn``; ``ChatSession`` mixes them in.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from chatctx._resource import Closeable
-from chatctx._turn import TurnInFlight, turn_figures
+from chatctx._session_async import AsyncTurns
+from chatctx._session_context import SessionContext, _Built, open_conversation
+from chatctx._turn import Reply, TurnInFlight, TurnRecording
 from chatctx.backend import (
     Backend,
-    GenerationResult,
     Lease,
-    MemorySnapshot,
     Stream,
     TextEmbedder,
-    Timings,
-    Usage,
 )
 from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.context import (
     BackgroundSummarizer,
     BuildResult,
     ContextBuilder,
-    ContextPlan,
-    ContextState,
-    LLMSummarizer,
     MeaningSearch,
-    RecallSearch,
     Summarizer,
-    summarizer_for,
-    summary_limit,
 )
 from chatctx.errors import (
     BackendUnavailable,
     ChatctxError,
     ClosedError,
     ConfigError,
-    ContextBudgetError,
     ContextStateConflict,
     DeadlineExceeded,
-    StoreError,
 )
 from chatctx.store import Message, Store, Turn
 
@@ -72,33 +64,7 @@ STATE_ATTEMPTS = 3  # builds of a turn's context when another writer saves its s
 MAX_FAILOVERS = 2  # a turn whose backend fails before its first token is retried this often
 
 
-@dataclass(frozen=True, slots=True)
-class _Built:
-    """One build of a turn's context and what it was built from (per call: two threads
-    building on one session never see each other's reads)."""
-
-    result: BuildResult
-    generation: GenerationSettings  # the turn's sampling
-    context: ContextSettings
-    stored_generation: GenerationSettings  # the conversation's, as read
-    state_version: int  # of the context state read: the save compares and sets against it
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """The assistant's answer to one user message, with what it cost."""
-
-    text: str
-    user_message_id: int
-    message_id: int | None  # None when an interrupted reply produced no text
-    usage: Usage
-    timings: Timings
-    stop_reason: str
-    turn: Turn | None
-    plan: ContextPlan | None = None
-
-
-class ChatSession(Closeable):
+class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
     """A conversation stored in a ``Store`` and answered by a backend (an ``Engine``).
 
     The user message is committed before generation starts; the assistant message when it
@@ -201,33 +167,9 @@ class ChatSession(Closeable):
         store = Store(db) if isinstance(db, str) else db
         built: Backend | None = None  # an engine loaded here, closed again on failure
         try:
-            changed = generation is not None or context_settings is not None
-            initial = ConversationSettings(
-                generation=generation or GenerationSettings(),
-                context=context_settings or ContextSettings(),
+            cid = open_conversation(
+                store, conversation_id, system_prompt, generation, context_settings
             )
-            if conversation_id is None:
-                cid = store.create_conversation(
-                    system_prompt=system_prompt, settings=initial.to_json()
-                ).id
-            else:
-                # Get-or-create in one statement: two first messages of a new customer at
-                # once open one conversation, never an "already exists" error.
-                cid = conversation_id
-                existing, created = store.get_or_create_conversation(
-                    cid, system_prompt=system_prompt, settings=initial.to_json()
-                )
-                if not created and (system_prompt is not None or changed):
-                    current = ConversationSettings.parse(existing.settings)
-                    merged = ConversationSettings(
-                        generation=generation or current.generation,
-                        context=context_settings or current.context,
-                    )
-                    store.update_conversation(
-                        cid,
-                        system_prompt=system_prompt,
-                        settings=merged.to_json() if changed else None,
-                    )
             if isinstance(model, Backend):
                 engine: Backend = model
             else:
@@ -299,18 +241,6 @@ class ChatSession(Closeable):
     def closed(self) -> bool:
         return self._closed
 
-    def _stop_summary(self) -> None:
-        """Stop a summary still being written in the background and wait until its side
-        sequence is free again: once the session is gone nobody would take the result, and
-        the engine could not clear or reuse that sequence meanwhile."""
-        background, self._background = self._background, None
-        if background is None or not background.running():
-            return
-        self.engine.cancel_side(self._cancel_summary)
-        if not background.wait(timeout=background.timeout_s):
-            logger.warning("the background summary did not stop")
-        self._cancel_summary = threading.Event()
-
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("chat session")
@@ -341,233 +271,6 @@ class ChatSession(Closeable):
     def pin(self, message_id: int, pinned: bool = True) -> Message:
         """Always send this message, right after the system prompt."""
         return self.store.set_pinned(message_id, pinned)
-
-    def builder(self) -> ContextBuilder:
-        """The context builder for the conversation's current settings."""
-        return self._builder_for(self.context_settings, self.budget()[0])
-
-    def _builder_for(self, settings: ContextSettings, budget: int) -> ContextBuilder:
-        if self._builder is None or self._builder_settings != settings:
-            codec = self.engine.codec()
-            summarizer: Summarizer | None = self._custom_summarizer
-            if summarizer is None:
-                background = settings.summarizer == "llm" and self._side_sequence()
-                summarizer = summarizer_for(
-                    settings.summarizer,
-                    count=codec.count,
-                    max_tokens=settings.summary_max_tokens,
-                    budget=budget,
-                    generate=functools.partial(self._summary_generate, background=background),
-                    max_input_tokens=self._summary_input_tokens(),
-                    timed=True,
-                )
-                if background and isinstance(summarizer, LLMSummarizer):
-                    # Off the critical path: the evicting turn goes out with the previous
-                    # summary (and recall); the new one takes effect once it is written.
-                    summarizer = BackgroundSummarizer(
-                        summarizer.fold,
-                        timeout_s=settings.summary_timeout_s,
-                        gate=self._turn_under_way.wait,
-                    )
-                    self._stop_summary()  # one written for the settings before, if any
-                    self._background = summarizer
-            store = self.store
-            self._builder = ContextBuilder(
-                codec,
-                settings,
-                summarizer=summarizer,
-                cache=store,
-                lookup=store.messages_by_ids,
-                recall=self._recall_search(settings),
-                layout=self._layout(settings),
-            )
-            self._builder_settings = settings
-        return self._builder
-
-    def _layout(self, settings: ContextSettings) -> str:
-        """The prompt layout: as set, or for "auto" the one the backend's cache keeps best
-        (summary-first where it edits in place, else append: see ``chatctx.context._layout``)."""
-        if settings.layout != "auto":
-            return settings.layout
-        edits = getattr(self.engine, "cache_edits", "in-place")  # a backend from before it
-        return "summary-first" if edits == "in-place" else "append"
-
-    def _recall_search(self, settings: ContextSettings) -> RecallSearch:
-        """Recall by meaning (sentence embeddings) or by words (the store's BM25 index)."""
-        store, cid = self.store, self.conversation_id
-        mode = settings.recall_search
-        embedder = self._embedder
-        if settings.recall and mode != "words" and embedder is None:
-            embedder = self.engine.embedder()
-        if settings.recall and mode == "auto":
-            mode = "meaning" if embedder is not None else "words"
-        self._meaning = None
-        if settings.recall and mode == "meaning":
-            if embedder is None:  # asked for by name: the local one, or its clear ModelError
-                from chatctx.engine._embedder import shared_embedder
-
-                embedder = shared_embedder()
-            self._meaning = MeaningSearch(
-                lambda: store.messages(cid),
-                embedder.embed,
-                min_similarity=settings.recall_min_similarity,
-                prefetch=embedder.prefetch,
-                vectors=store,
-                fingerprint=embedder.fingerprint,
-            )
-            # A resumed conversation: what is not stored yet is embedded while the customer
-            # types.
-            self._meaning.warm_messages(store.messages(cid))
-            return self._meaning
-        return lambda query, before, limit: store.search_messages(
-            cid, query, before_position=before, limit=limit, replies=True
-        )
-
-    def _side_sequence(self) -> bool:
-        """Whether summaries can run on a sequence of their own (the engine's reserved one)."""
-        return self.engine.side_room > 0
-
-    def budget(self, settings: ConversationSettings | None = None) -> tuple[int, int]:
-        """(prompt token budget, tokens reserved for the reply) under ``settings`` (default:
-        the stored ones, read now).
-
-        The budget is what one slot holds less the reply's reserve; summaries have cells of
-        their own (the engine's summary room), so they never take from it.
-        """
-        stored = settings if settings is not None else self.conversation_settings()
-        return self._budget(stored.context, stored.generation)
-
-    def check_fits(
-        self,
-        message: str,
-        settings: ConversationSettings | None = None,
-        *,
-        system_prompt: str | None = None,
-    ) -> None:
-        """Raise ``ContextBudgetError`` now when ``message`` can never be sent: the system
-        prompt and it alone exceed the budget (and ``truncate_oversized`` is off).
-
-        The turn would refuse it too, but only once it runs: a caller that writes other
-        messages first (``chatctx serve`` storing a request's earlier messages) asks here.
-        """
-        stored = settings if settings is not None else self.conversation_settings()
-        if stored.context.truncate_oversized:
-            return
-        budget, reserve = self._budget(stored.context, stored.generation)
-        messages = [{"role": "user", "content": message}]
-        if system_prompt:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        needed = self._builder_for(stored.context, budget).count_messages(messages)
-        if needed > budget:
-            raise ContextBudgetError(
-                f"the newest message does not fit: with the system prompt it takes {needed} "
-                f"tokens > budget {budget}",
-                prompt_tokens=needed,
-                budget=budget,
-                n_ctx=budget + reserve,
-            )
-
-    def _budget(self, settings: ContextSettings, generation: GenerationSettings) -> tuple[int, int]:
-        reserve = settings.reserve if settings.reserve is not None else generation.max_tokens
-        limit = self.engine.n_ctx - reserve
-        budget = min(settings.budget, limit) if settings.budget is not None else limit
-        if budget < 16:
-            raise ConfigError(f"no room for a prompt: n_ctx {self.engine.n_ctx}, reserve {reserve}")
-        return budget, reserve
-
-    def plan(self, new_message: str) -> BuildResult:
-        """Build the context for ``new_message`` without sending or storing anything.
-
-        A summary finished in the background shows in the plan and is still taken by the
-        next turn; none is started. An inline summarizer (extractive, a callable) runs here
-        too when the plan evicts turns, and its result is not kept.
-        """
-        self.builder()  # made now, so that a background summarizer is there to peek at
-        background = self._background
-        if background is None:
-            return self._build(new_message).result
-        with background.peeking():
-            return self._build(new_message).result
-
-    def _build(self, new_message: str, sampling: GenerationSettings | None = None) -> _Built:
-        """The context for ``new_message``, with the settings it was built under (one read;
-        ``sampling`` in place of the stored generation settings)."""
-        conversation = self.store.get_conversation(self.conversation_id)
-        parsed = ConversationSettings.parse(conversation.settings)
-        generation, context = sampling or parsed.generation, parsed.context
-        stored = self.store.context_state(self.conversation_id)
-        state = ContextState(
-            window_start=stored.window_start,
-            summary=stored.summary.content if stored.summary else None,
-            summary_tokens=stored.summary.token_count or 0 if stored.summary else 0,
-            pending_ids=stored.pending_ids,
-            summary_blocks=stored.summary.blocks if stored.summary else (),
-        )
-        history = self.store.messages(self.conversation_id, from_position=state.window_start)
-        budget, reserve = self._budget(context, generation)
-        built = self._builder_for(context, budget).build(
-            system_prompt=conversation.system_prompt,
-            history=history,
-            new_message=new_message,
-            budget=budget,
-            reserve=reserve,
-            state=state,
-            pinned=self.store.pinned_messages(self.conversation_id),
-        )
-        return _Built(built, generation, context, parsed.generation, stored.version)
-
-    def _summary_input_tokens(self) -> int:
-        # Evicted turns are folded in chunks of this many tokens; with the summary's output
-        # and instructions they fit the engine's summary room.
-        chunk = max(128, min(1024, self.engine.n_ctx // 4))
-        if self._side_sequence():
-            settings = self.context_settings
-            written = summary_limit(
-                settings.summary_max_tokens, settings.budget or self.engine.n_ctx
-            )
-            chunk = min(chunk, self.engine.side_room - written - 160)
-        return max(32, chunk)
-
-    def _summary_generate(
-        self,
-        messages: list[dict[str, Any]],
-        timeout_s: float | None = None,
-        *,
-        background: bool = False,
-    ) -> str:
-        """Run the summary prompt on the engine's spare sequence when it has one.
-
-        ``timeout_s`` is what is left of the summary's one overall deadline. In the
-        background the prefill is chunked and steps aside for customers' turns. With a single
-        sequence it runs on the chat's own, which evicts the chat's cached prefix: the next
-        turn re-evaluates its whole prompt.
-        """
-        settings = self.context_settings
-        limit = settings.summary_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        sampling = GenerationSettings(
-            max_tokens=settings.summary_max_tokens, temperature=0.0, repeat_penalty=1.1
-        )
-        prompt = self.engine.prompt_tokens(messages)
-        if self._side_sequence():
-            return self.engine.side_generate(
-                prompt,
-                settings=sampling,
-                background=background,
-                deadline=deadline,
-                cancel=self._cancel_summary if background else None,
-            )
-        assert self._lease is not None, "summaries run while the turn holds its slot"
-        generation = self.engine.generate(prompt, seq_id=self._lease.seq_id, settings=sampling)
-        try:
-            for _ in generation:
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(
-                        f"summary not done after {limit:.1f} s", what="summary", seconds=limit
-                    )
-        finally:
-            generation.close()
-        return generation.text
 
     # chatting -----------------------------------------------------------------------------
 
@@ -615,59 +318,6 @@ class ChatSession(Closeable):
         raised here, and the turn is then not started. ``settings``: as for ``send``.
         """
         return self._astream(text, None, before, _settings_or_none(settings))
-
-    async def _astream(
-        self,
-        text: str,
-        replies: list[Reply] | None,
-        before: Callable[[], None] | None = None,
-        settings: GenerationSettings | None = None,
-    ) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        stop = threading.Event()
-
-        def put(kind: str, value: Any) -> None:
-            loop.call_soon_threadsafe(chunks.put_nowait, (kind, value))
-
-        def work() -> None:
-            try:
-                if before is not None:
-                    before()
-                stream = self._open_stream(text, replies, settings, cut=stop)
-                try:
-                    for chunk in stream:
-                        put("chunk", chunk)
-                        if stop.is_set():
-                            break
-                finally:
-                    stream.close()
-            except BaseException as exc:  # handed to the awaiting task
-                put("error", exc)
-            finally:
-                put("end", None)
-
-        worker = threading.Thread(target=work, name="chatctx-astream", daemon=True)
-        worker.start()
-        ended = False
-        try:
-            while True:
-                kind, value = await chunks.get()
-                if kind == "chunk":
-                    yield value
-                elif kind == "error":
-                    raise value
-                else:
-                    ended = True
-                    break
-        finally:
-            stop.set()
-            if not ended:
-                # Left early (a reader gone, a timeout): the turn stops where it is, even in
-                # its prefill, and the worker stores what it has. This waits for that even
-                # when the task was cancelled: a caller that goes on at once (a server taking
-                # the conversation's next request) must find the reply stored.
-                await _outlast_cancellation(asyncio.to_thread(self._cut, stop, worker))
 
     def _open_stream(
         self,
@@ -733,21 +383,6 @@ class ChatSession(Closeable):
                     self.engine.release(lease)
             raise ClosedError("chat session")
         return lease
-
-    def _cut(self, cut: threading.Event, worker: threading.Thread) -> None:
-        """Stop the turn whose reader left (``cut`` is set) and wait for its thread to end.
-
-        Closing the backend's stream stops a prefill under way too; the turn's own thread
-        then stores what was generated (``partial``), as when the reader closes the stream.
-        """
-        with self._turns_changed:
-            turns = [t for t in self._turns if t.cut is cut]
-        for turn in turns:
-            with turn.lock:  # a user message being written, a generation being started
-                stream = turn.stream
-            if stream is not None:
-                stream.close()
-        worker.join()
 
     def _abandon(self, turn: TurnInFlight) -> None:
         self._turn_under_way.set()
@@ -1008,108 +643,6 @@ class ChatSession(Closeable):
             if turn.replies is not None:
                 turn.replies.append(reply)
 
-    def _gauges(self) -> tuple[dict[str, int] | None, MemorySnapshot | None]:
-        """The cache's cells per sequence and the memory figures for a turn record; None
-        where the backend cannot tell (a server refusing ``/slots``): a reply is stored
-        without them, never lost for them."""
-        if self.engine.closed:
-            return None, None
-        try:
-            cells = {str(seq): n for seq, n in self.engine.kv_usage().items()}
-        except ChatctxError as exc:
-            logger.warning("cache cells of %s not read: %s", self.conversation_id, exc)
-            cells = None
-        try:
-            memory = self.engine.memory()
-        except ChatctxError as exc:
-            logger.warning("memory figures not read: %s", exc)
-            memory = None
-        return cells, memory
-
-    def _store_turn(
-        self,
-        user: Message,
-        result: GenerationResult,
-        plan: ContextPlan,
-        clock: tuple[float, float, float, float],
-        lease: Lease,
-        *,
-        store_reply: bool = True,
-    ) -> Reply:
-        """Store the reply and the turn's figures in one transaction. ``clock``:
-        perf_counter() stamps of the request, of the slot being leased, of the context being
-        built and of the user message being stored.
-
-        A failure logs the reply's text (nothing the client saw is lost without a trace) and
-        raises ``StoreError`` (``ClosedError`` for a closed store) chained to the cause.
-        """
-        complete = result.stop_reason in ("eog", "length")
-        timings = _request_timings(result, plan, clock)
-        cells, memory = self._gauges()
-        figures = turn_figures(
-            result,
-            plan,
-            timings,
-            lease,
-            model=self.engine.model_name,
-            n_ctx=self.engine.n_ctx,
-            cells=cells,
-            memory=memory,
-        )
-        message = None
-        if store_reply and (result.text or complete):
-            message = {
-                "role": "assistant",
-                "content": result.text,
-                "status": "complete" if complete else "partial",
-            }
-        try:
-            if self.store.closed:
-                raise ClosedError("store")
-            assistant, turn = self.store.record_reply(
-                self.conversation_id, message, user_message_id=user.id, **figures
-            )
-        except Exception as exc:
-            logger.error(
-                "reply of %s not stored (%s: %s); its text: %r",
-                self.conversation_id,
-                type(exc).__name__,
-                exc,
-                result.text,
-            )
-            if isinstance(exc, ChatctxError):
-                raise
-            raise StoreError(f"reply of {self.conversation_id} not stored: {exc}") from exc
-        if self._meaning is not None:  # embedded now, searched once evicted
-            self._meaning.warm([user.content, *([assistant.content] if assistant else [])])
-        reply = Reply(
-            text=result.text,
-            user_message_id=user.id,
-            message_id=assistant.id if assistant else None,
-            usage=result.usage,
-            timings=timings,
-            stop_reason=result.stop_reason,
-            turn=turn,
-            plan=plan,
-        )
-        logger.debug(
-            "turn %s: prompt %d (new %d, reused %d, evaluated %d), evicted %s, shifted %s, "
-            "cells %s, ttft %s ms",
-            turn.id,
-            turn.prompt_tokens,
-            turn.new_tokens or 0,
-            turn.reused_tokens,
-            turn.evaluated_tokens,
-            turn.evicted_tokens,
-            turn.shifted_tokens,
-            turn.cells_used,
-            turn.ttft_ms,
-        )
-        self.last_reply = reply
-        if self.on_turn is not None:
-            self.on_turn(turn)
-        return reply
-
 
 def _load_engine(model: str | Path | None, options: Mapping[str, Any]) -> Backend:
     # Imported here: a session on another backend never loads llama.cpp.
@@ -1122,25 +655,6 @@ def _stored(replies: list[Reply]) -> Reply:
     if not replies:  # _finish stores nothing once the store is closed
         raise ClosedError("store")
     return replies[0]
-
-
-def _request_timings(
-    result: GenerationResult, plan: ContextPlan, clock: tuple[float, float, float, float]
-) -> Timings:
-    """The engine's timings re-based on the request: TTFT and total count from it."""
-    requested, leased_at, built_at, stored_at = clock
-    t = result.timings
-    before_engine = (result.started_at - requested) * 1000 if result.started_at else 0.0
-    return replace(
-        t,
-        ttft_ms=before_engine + t.ttft_ms if t.ttft_ms is not None else None,
-        total_ms=before_engine + t.total_ms,
-        slot_ms=(leased_at - requested) * 1000,
-        build_ms=(built_at - leased_at) * 1000,
-        store_ms=(stored_at - built_at) * 1000,
-        summary_ms=plan.summary_ms if plan.evicted or plan.summary_changed else 0.0,
-        engine_ttft_ms=t.ttft_ms,
-    )
 
 
 def _context_settings(value: ContextSettings | Mapping[str, Any]) -> ContextSettings:
@@ -1171,31 +685,3 @@ def _settings(value: GenerationSettings | Mapping[str, Any]) -> GenerationSettin
 def _check_cut(turn: TurnInFlight) -> None:
     if turn.cut is not None and turn.cut.is_set():
         raise ClosedError("chat turn")
-
-
-async def _outlast_cancellation(awaitable: Awaitable[None]) -> None:
-    """Await ``awaitable`` to its end even if the awaiting task is cancelled meanwhile; the
-    cancellation is raised afterwards.
-
-    A task cancelled by asyncio is told once; one inside an anyio cancel scope (Starlette's
-    response to a client that hung up) is told again at every await, unless shielded.
-    """
-    future = asyncio.ensure_future(awaitable)
-    cancelled: asyncio.CancelledError | None = None
-    with _shield():
-        while not future.done():
-            try:
-                await asyncio.shield(future)
-            except asyncio.CancelledError as exc:
-                cancelled = exc
-    future.result()
-    if cancelled is not None:
-        raise cancelled
-
-
-def _shield() -> contextlib.AbstractContextManager[Any]:
-    try:
-        import anyio
-    except ImportError:  # no anyio: nothing cancels through its scopes either
-        return contextlib.nullcontext()
-    return anyio.CancelScope(shield=True)
