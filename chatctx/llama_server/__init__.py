@@ -12,8 +12,9 @@ Needs httpx (``pip install 'chatctx[llama-server]'``); never loads llama.cpp in 
 
 from __future__ import annotations
 
-from chatctx.llama_server._backend import LlamaServerBackend, state_filename
+from chatctx.llama_server._backend import LlamaServerBackend
 from chatctx.llama_server._process import LlamaServerProcess, find_llama_server, free_port
+from chatctx.llama_server._slot_files import state_filename
 from chatctx.llama_server._stream import ServerStream
 
 __all__ = [

@@ -16,7 +16,7 @@ import pytest
 from chatctx import ChatSession, ConfigError
 from chatctx.config import GenerationSettings
 from chatctx.llama_server import LlamaServerBackend
-from chatctx.llama_server._backend import DROPPED, swap_filename
+from chatctx.llama_server._slot_files import DROPPED, swap_filename
 from tests.llama_server.conftest import start_server
 
 pytestmark = pytest.mark.slow
