@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from chatctx.llama_server import LlamaServerProcess
-from chatctx.llama_server._backend import swap_filename
+from chatctx.llama_server._slot_files import swap_filename
 from tests.llama_server.conftest import start_server
 from tests.llama_server.test_router_servers import metrics
 from tests.serve.conftest import ServerProcess
