@@ -59,6 +59,7 @@ import recall_bench as rb
 from chatctx.engine import Engine, default_model_path
 from chatctx.engine._codec import PromptCodec, open_codec
 from chatctx.engine._kv import common_prefix
+from chatctx.llama_server._http import sse_lines
 from chatctx.replay import DryBackend, LoggedConversation, ReplayConfig, Replayer
 from chatctx.replay._run import _retained
 from chatctx.synthetic import support_conversation
@@ -320,11 +321,11 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
         if not args.no_dry:
-            dry = dry_retention(conversations, codec, budget)
+            kept = dry_retention(conversations, codec, budget)
             print(
                 f"\nretention on all {len(conversations)} chats of the set, from the context "
-                f"alone (no model): naive trim {dry['naive']:.2f}, chatctx {dry['chatctx']:.2f}, "
-                f"chatctx with recall off {dry['chatctx, recall off']:.2f}",
+                f"alone (no model): naive trim {kept['naive']:.2f}, chatctx {kept['chatctx']:.2f}, "
+                f"chatctx with recall off {kept['chatctx, recall off']:.2f}",
                 flush=True,
             )
             table["dry_retention_all_chats"] = dry
@@ -775,7 +776,7 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
                 httpx.Client(base_url=url, timeout=900) as http,
                 http.stream("POST", "/completion", json=body) as r,
             ):
-                for line in r.iter_lines():
+                for line in sse_lines(r.iter_bytes()):  # iter_lines cuts at U+2028
                     if line.startswith("data: "):
                         chunk = json.loads(line[6:])
                         first = first or time.perf_counter()

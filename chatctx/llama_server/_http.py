@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from chatctx.errors import (
@@ -122,6 +122,23 @@ def check(response: httpx.Response, backend: str, what: str) -> Any:
     if response.status_code >= 400 or error_of(body) is not None:
         raise_error(backend, what, response.status_code, error_of(body))
     return body
+
+
+def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """The lines of an event stream, split at ``\n`` (a ``\r`` before it dropped) only.
+
+    Not httpx's ``iter_lines``: it also splits at U+0085, U+2028 and U+2029, which
+    llama-server writes raw inside its JSON when a reply holds one, and the event would
+    arrive cut in two. A ``\n`` byte is never part of a longer UTF-8 character.
+    """
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.removesuffix(b"\r").decode("utf-8", "replace")
 
 
 def sse_event(line: str) -> dict[str, Any] | None:

@@ -26,7 +26,14 @@ import httpx
 
 from chatctx.backend import GenerationResult, KVReport, Timings, Usage
 from chatctx.errors import GenerationError
-from chatctx.llama_server._http import check, error_of, raise_error, sse_event, translated
+from chatctx.llama_server._http import (
+    check,
+    error_of,
+    raise_error,
+    sse_event,
+    sse_lines,
+    translated,
+)
 
 logger = logging.getLogger("chatctx.llama_server")
 
@@ -164,7 +171,7 @@ class ServerStream:
             if response.status_code >= 400:
                 response.read()
                 check(response, self._backend, what)
-            for line in response.iter_lines():
+            for line in sse_lines(response.iter_bytes()):
                 event = sse_event(line)
                 if event is None:
                     continue
