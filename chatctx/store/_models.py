@@ -54,6 +54,19 @@ class UTCDateTime(TypeDecorator[datetime]):
         return None if value is None else value.replace(tzinfo=UTC)
 
 
+class StoredText(TypeDecorator[str]):
+    """Text as given, except that PostgreSQL, which cannot hold U+0000 in text, gets U+FFFD
+    in its place: a reply a model ended with a NUL byte is stored, not lost."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is not None and dialect.name == "postgresql" and "\x00" in value:
+            return value.replace("\x00", "\ufffd")
+        return value
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -63,7 +76,7 @@ class ConversationRow(Base):
 
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
     title: Mapped[str | None] = mapped_column(String(500))
-    system_prompt: Mapped[str | None] = mapped_column(Text)
+    system_prompt: Mapped[str | None] = mapped_column(StoredText)
     settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
@@ -88,7 +101,7 @@ class MessageRow(Base):
     )
     position: Mapped[int] = mapped_column(Integer)
     role: Mapped[str] = mapped_column(String(20))
-    content: Mapped[str] = mapped_column(Text)
+    content: Mapped[str] = mapped_column(StoredText)
     name: Mapped[str | None] = mapped_column(String(200))
     tool_call_id: Mapped[str | None] = mapped_column(String(200))
     tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
@@ -110,7 +123,7 @@ class SummaryRow(Base):
     conversation_id: Mapped[str] = mapped_column(
         ForeignKey("conversations.id", ondelete="CASCADE"), index=True
     )
-    content: Mapped[str] = mapped_column(Text)
+    content: Mapped[str] = mapped_column(StoredText)
     covered_message_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
     token_count: Mapped[int | None] = mapped_column(Integer)
     tokenizer: Mapped[str | None] = mapped_column(String(100))
