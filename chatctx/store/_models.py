@@ -67,6 +67,14 @@ class StoredText(TypeDecorator[str]):
         return value
 
 
+class StoredString(TypeDecorator[str]):
+    """``StoredText`` with a length (a title)."""
+
+    impl = String
+    cache_ok = True
+    process_bind_param = StoredText.process_bind_param
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -75,7 +83,7 @@ class ConversationRow(Base):
     __tablename__ = "conversations"
 
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
-    title: Mapped[str | None] = mapped_column(String(500))
+    title: Mapped[str | None] = mapped_column(StoredString(500))
     system_prompt: Mapped[str | None] = mapped_column(StoredText)
     settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

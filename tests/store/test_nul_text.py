@@ -1,4 +1,4 @@
-"""U+0000 in text: SQLite keeps it, PostgreSQL (whose text cannot hold it) gets U+FFFD, and
+"""U+0000 in text (and in a title): SQLite keeps it, PostgreSQL (whose text cannot hold it) gets U+FFFD, and
 a turn whose reply holds one is stored on both instead of failing ("reply not stored").
 
 Oracles: the hand-written expected strings, and the rows read back through a new store.
@@ -19,13 +19,16 @@ def _expected(text: str, db_url: str) -> str:
 
 def test_nul_in_a_prompt_a_message_and_a_summary_is_stored(db_url: str) -> None:
     with Store(db_url) as store:
-        cid = store.create_conversation(system_prompt="be\x00nice").id
+        cid = store.create_conversation(system_prompt="be\x00nice", title="order\x00 42").id
         user = store.add_message(cid, "user", "my code is 12\x0034")
         store.save_context_state(
             cid, window_start=1, new_summary=("User: code 12\x0034", [user.id], 9, "t")
         )
     with Store(db_url) as store:
         assert store.get_conversation(cid).system_prompt == _expected("be\x00nice", db_url)
+        assert store.get_conversation(cid).title == _expected("order\x00 42", db_url)
+        store.update_conversation(cid, title="renamed\x00")
+        assert store.get_conversation(cid).title == _expected("renamed\x00", db_url)
         assert store.messages(cid)[0].content == _expected("my code is 12\x0034", db_url)
         summary = store.context_state(cid).summary
         assert summary is not None and summary.content == _expected("User: code 12\x0034", db_url)
