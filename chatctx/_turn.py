@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from chatctx._turn_claim import TurnClaim
 from chatctx.backend import Backend, GenerationResult, Lease, MemorySnapshot, Stream, Timings, Usage
 from chatctx.context import ContextPlan, MeaningSearch
 from chatctx.errors import ChatctxError, ClosedError, StoreError
@@ -60,6 +61,7 @@ class TurnInFlight:
     # Set when the turn's reader has left (``astream`` ended early): the turn stops where it
     # is, and one that has not stored its user message yet stores nothing.
     cut: threading.Event | None = None
+    claim: TurnClaim | None = None  # the conversation's turn, claimed in the store
     lock: threading.RLock = field(default_factory=threading.RLock)
     done: threading.Event = field(default_factory=threading.Event)
 

@@ -30,6 +30,7 @@ from chatctx._resource import Closeable
 from chatctx._session_async import AsyncTurns
 from chatctx._session_context import SessionContext, _Built, open_conversation
 from chatctx._turn import Reply, TurnInFlight, TurnRecording
+from chatctx._turn_claim import TurnClaim
 from chatctx.backend import (
     Backend,
     Lease,
@@ -86,6 +87,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         owns_store: bool = False,
         owns_engine: bool = False,
         embedder: TextEmbedder | None = None,
+        claim_turns: bool = True,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -98,6 +100,9 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         self._custom_summarizer = summarizer
         # Recall by meaning: this embedder, else the backend's (None: recall by words).
         self._embedder = embedder
+        # Each turn claims the conversation in the store (``_turn_claim``), so turns of other
+        # processes on it wait: False for a caller that serializes them itself.
+        self._claim_turns = claim_turns
         self.on_turn = on_turn
         self._owns_store = owns_store
         self._owns_engine = owns_engine
@@ -136,6 +141,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         seq_id: int | None = None,
         embedder: TextEmbedder | None = None,
         backend: Backend | None = None,
+        claim_turns: bool = True,
     ) -> ChatSession:
         """Open (or create) a conversation.
 
@@ -152,6 +158,11 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         (``Backend.embedder()``: the local all-MiniLM-L6-v2 when it is installed).
         ``backend`` is a running backend (an ``Engine``, a ``LlamaServerBackend``), shared and
         left open: the same as passing it as ``model``.
+        ``claim_turns`` (default True): each turn first claims the conversation in the store,
+        so bot processes or machines sharing the database answer it one turn at a time, each
+        on the whole history before it; a turn waits while another holds the claim (one whose
+        process died runs out after 30 s). False skips the two writes per turn, for a caller
+        that is the conversation's only writer.
         """
         if backend is not None:
             if model is not None:
@@ -185,6 +196,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
                 owns_store=owns_store,
                 owns_engine=built is not None,
                 embedder=embedder,
+                claim_turns=claim_turns,
             )
         except BaseException:
             if built is not None:
@@ -331,6 +343,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         turn = self._begin_turn("stream")
         turn.cut = cut
         try:
+            self._claim(turn)
             self._lease_slot(turn)
             clock = (requested, time.perf_counter())
             self._turn_under_way.clear()
@@ -360,6 +373,19 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
             self._check_open()
             self._turns.add(turn)
         return turn
+
+    def _claim(self, turn: TurnInFlight) -> None:
+        """Wait for the conversation's turn against other processes (before the history is
+        read); let go in ``_end_turn``."""
+        if not self._claim_turns:
+            return
+        claim = turn.claim = TurnClaim(self.store, self.conversation_id)
+
+        def check() -> None:
+            self._check_open()
+            _check_cut(turn)
+
+        claim.take(check)
 
     def _lease_slot(self, turn: TurnInFlight) -> Lease:
         # In steps, so that a session closed (or a turn cut) meanwhile stops waiting.
@@ -397,6 +423,8 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
             self._turns.discard(turn)
             self._turns_changed.notify_all()
         turn.done.set()
+        if turn.claim is not None:
+            turn.claim.release()
         lease = turn.lease
         if lease is not None:
             if self._lease is lease:
@@ -415,6 +443,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         requested = time.perf_counter()
         turn = self._begin_turn("record")
         try:
+            self._claim(turn)
             lease = self._lease_slot(turn)
             self._turn_under_way.clear()
             return self._record_turn(turn, text, reply, (requested, time.perf_counter()), lease)

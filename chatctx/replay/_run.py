@@ -320,6 +320,7 @@ class Replayer(Closeable):
                 system_prompt=system,
                 settings=settings,
                 context=self.config.context(),
+                claim_turns=False,  # a replay is the only writer of the conversations it makes
             ) as chat,
         ):
             for index, (user, logged) in enumerate(turns):

@@ -356,7 +356,9 @@ async def _open_turn(
             opening = [(m.stored_role, m.text()) for m in request.messages[:2]]
             owner = OwnedAs(backend, stateless_owner(tenant.name, opening))
             # Made without the database: the turn's worker thread creates its conversation.
-            session = ChatSession(store=ephemeral, engine=owner, conversation_id=stored_id)
+            session = ChatSession(
+                store=ephemeral, engine=owner, conversation_id=stored_id, claim_turns=False
+            )
             before = functools.partial(_apply, session, plan, generation, create=STATELESS_CONTEXT)
 
             async def drop_ephemeral() -> None:

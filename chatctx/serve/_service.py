@@ -12,15 +12,13 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from chatctx._turn_claim import new_owner, try_claim
 from chatctx.backend import Backend, Codec, Lease, MemorySnapshot, ModelInfo, Stream, TextEmbedder
 from chatctx.config import ContextSettings, GenerationSettings, Settings
 from chatctx.errors import ChatctxError, ConfigError, DeadlineExceeded
@@ -240,7 +238,7 @@ class Service:
         self.limiter = TurnLimiter(limits.max_concurrent_turns, retry_after=limits.retry_after_s)
         self.locks = ConversationLocks(limits.conversation_wait_s)
         # This process, in the store's turn claims (several serve processes, one database).
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = new_owner()
         self.metrics = ServeMetrics()
         self.backend = backend
         self.store = store
@@ -312,7 +310,7 @@ class Service:
         wait_s = self.config.limits.conversation_wait_s
         deadline = time.monotonic() + wait_s
         pause = 0.02
-        while not await asyncio.to_thread(store.claim_turn, stored_id, self.owner, CLAIM_TTL_S):
+        while not await asyncio.to_thread(try_claim, store, stored_id, self.owner, CLAIM_TTL_S):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise APIError(
@@ -402,7 +400,11 @@ class Service:
             return session, stored_id not in self.opened
         store, backend = self.require_ready()
         self.opened.discard(stored_id)
-        session = ChatSession(store=store, engine=backend, conversation_id=stored_id)
+        # The request claims the conversation's turn itself (``claim_turn``), before it
+        # stores the messages it adds, and answers 409 when it cannot.
+        session = ChatSession(
+            store=store, engine=backend, conversation_id=stored_id, claim_turns=False
+        )
         self.sessions[stored_id] = session
         await self._trim()
         return session, True

@@ -56,6 +56,25 @@ class TurnClaimStore:
             return taken is not None
 
     @_retry_busy
+    def take_over_turn(
+        self, conversation_id: str, owner: str, from_owner: str, ttl_s: float
+    ) -> bool:
+        """Give ``from_owner``'s claim to ``owner`` for ``ttl_s`` seconds, expired or not (its
+        process is known to be gone); False when ``from_owner`` no longer holds it."""
+        with self._session(write=True) as session:
+            until = _now(session) + timedelta(seconds=ttl_s)
+            taken = session.execute(
+                update(TurnClaimRow)
+                .where(
+                    TurnClaimRow.conversation_id == conversation_id,
+                    TurnClaimRow.owner == from_owner,
+                )
+                .values(owner=owner, expires_at=until)
+                .returning(TurnClaimRow.conversation_id)
+            ).first()
+            return taken is not None
+
+    @_retry_busy
     def release_turn(self, conversation_id: str, owner: str) -> None:
         """Let the conversation's turn go, if ``owner`` still holds it."""
         with self._session(write=True) as session:

@@ -266,12 +266,13 @@ class PlacementRow(Base):
 
 
 class TurnClaimRow(Base):
-    """Which process is taking a turn of a conversation now, until when (``chatctx serve``).
+    """Which process is taking a turn of a conversation now, until when.
 
-    Several serve processes on one database take one conversation's turns one at a time: a
-    turn claims the row, renews it while it runs and deletes it when done. A process that
-    died leaves a claim that ends at ``expires_at``. No foreign key: a turn claims its
-    conversation before it stores anything (the first turn creates it).
+    Several processes on one database (``chatctx serve``, bot workers running ``ChatSession``)
+    take one conversation's turns one at a time: a turn claims the row, renews it while it
+    runs and deletes it when done. A process that died leaves a claim that ends at
+    ``expires_at`` (or sooner, taken over by a process that sees it gone). No foreign key: a
+    turn claims its conversation before it stores anything (the first turn creates it).
     """
 
     __tablename__ = "turn_claims"
