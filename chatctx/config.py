@@ -230,7 +230,12 @@ class EngineConfig(_Model):
     )
     type_k: KVType = Field("f16", description="KV cache type for keys.")
     type_v: KVType = Field("f16", description="KV cache type for values (quantized needs FA).")
-    n_threads: int | None = Field(None, ge=1, description="CPU threads; None = all cores.")
+    n_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads; None = one per physical core this process may use (its "
+        "CPU affinity and quota).",
+    )
     chat_format: Literal["llama-3", "chatml"] | None = Field(
         None, description="Built-in chat format to use when the GGUF has no chat template."
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from typing import Any
 import llama_cpp.llama_cpp as ll
 
 from chatctx._resource import Closeable
+from chatctx.engine._cpus import default_threads
 from chatctx.errors import ClosedError, ConfigError, GenerationError, KVCacheError, ModelError
 
 logger = logging.getLogger("chatctx.llama")
@@ -292,7 +292,7 @@ class NativeContext:
         )
         if warning:
             logging.getLogger("chatctx.engine").warning("%s", warning)
-        threads = n_threads or os.cpu_count() or 1
+        threads = n_threads or default_threads()
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
