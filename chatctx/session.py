@@ -71,8 +71,10 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
     The user message is committed before generation starts; the assistant message when it
     ends, or marked ``partial`` if the reply is interrupted. Each turn leases one of the
     engine's slots: many sessions (threads, or ``asend``/``astream`` on asyncio) share one
-    engine, their generations batched together. Close the session (or use ``with``) to
-    release what it opened; a store or engine passed in stays open.
+    engine, their generations batched together. A turn first claims its conversation in the
+    store, so processes sharing the database answer it one turn at a time
+    (``chatctx._turn_claim``). Close the session (or use ``with``) to release what it opened;
+    a store or engine passed in stays open.
     """
 
     def __init__(

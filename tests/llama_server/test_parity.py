@@ -26,6 +26,7 @@ import pytest
 from chatctx import ChatSession, Engine
 from chatctx.config import ContextSettings, GenerationSettings
 from chatctx.engine import common_prefix
+from chatctx.engine._codec import PromptCodec
 from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
 from tests.llama_server.conftest import N_CTX, SLOTS
 from tests.walk import server_walk
@@ -122,11 +123,12 @@ def scorer(smollm2_path: Path) -> Iterator[Callable[[list[int]], np.ndarray]]:
     model = llama_cpp.Llama(str(smollm2_path), n_ctx=N_CTX, logits_all=True, verbose=False)
 
     def score(tokens: list[int]) -> np.ndarray:
-        model.reset()
+        model.reset()  # type: ignore[no-untyped-call]  # llama-cpp-python leaves it untyped
         model.eval(tokens)
-        logits = np.asarray(model.scores[model.n_tokens - 1], dtype=np.float64)
+        logits: np.ndarray = np.asarray(model.scores[model.n_tokens - 1], dtype=np.float64)
         shifted = logits - logits.max()
-        return shifted - np.log(np.exp(shifted).sum())
+        out: np.ndarray = shifted - np.log(np.exp(shifted).sum())
+        return out
 
     try:
         yield score
@@ -178,6 +180,7 @@ def test_after_evictions_the_server_reuses_what_chatctx_expects(
     context = ContextSettings(budget=160, summarizer="extractive", recall=False)
     served = converse(backend, db_url, context, "evict")
     codec = backend.codec()
+    assert isinstance(codec, PromptCodec)  # the local tokenizer: it encodes plain text too
     evictions = moved = 0
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for name, turns in served.items():

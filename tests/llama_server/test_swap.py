@@ -63,15 +63,15 @@ def test_a_slot_taken_by_another_customer_comes_back_from_its_file(
         server.stop()
     # Without swap the slot held B's prompt: A's second turn reused the shared system
     # prompt only, and the record says why it prefilled again.
-    first, again = seen[False]
-    assert again.reused_tokens < first.prompt_tokens
-    assert again.swap_in is None and again.reprefill_reason is not None
+    was, now = seen[False]
+    assert now.reused_tokens < was.prompt_tokens
+    assert now.swap_in is None and now.reprefill_reason is not None
     # With swap A's first prompt and reply came back from the file: the server reused all of
     # the first prompt (a prefix of the second) by its own count.
-    first, again = seen[True]
-    assert again.reused_tokens >= first.prompt_tokens
-    assert again.swap_in == "disk" and again.reprefill_reason is None
-    assert again.swap_in_bytes is not None and again.swap_in_bytes > 0
+    was, now = seen[True]
+    assert now.reused_tokens >= was.prompt_tokens
+    assert now.swap_in == "disk" and now.reprefill_reason is None
+    assert now.swap_in_bytes is not None and now.swap_in_bytes > 0
 
 
 def test_a_swap_file_gone_meanwhile_costs_a_prefill_not_the_turn(
