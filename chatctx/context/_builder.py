@@ -482,9 +482,8 @@ class ContextBuilder:
         t0 = self._clock()
         try:
             found = search(query, window_start, s.recall_k + len(pinned_ids))
-            best = max((score for _, score in found), default=-1.0)
-            if mode == "near" and best < s.recall_near_similarity:
-                found = []
+            if mode == "near":  # only what is that close, not the rest of the hits with it
+                found = [(hit, score) for hit, score in found if score >= s.recall_near_similarity]
         except Exception as exc:  # recall is optional: a failing search never fails a turn
             plan.recall_error = f"{type(exc).__name__}: {exc}"
             logger.warning("recall search failed, nothing recalled: %s", plan.recall_error)

@@ -248,6 +248,11 @@ def test_a_question_that_does_not_ask_back_recalls_only_a_near_match(
     near, far = "Is shellfish a common allergy?", "what's the best pizza topping?"
     assert closest(near) >= 0.5 > closest(far)
     assert recalled(near)[0] == turns[FACT][0].id  # not about the speaker, but close
+    # Only the close matches go: the search found farther messages beside them.
+    found = meaning(store, embedder)(near, state.window_start, 5)
+    close = {m.id for m, score in found if score >= 0.5}
+    assert len(close) < len(found)
+    assert set(recalled(near)) <= close
     assert recalled(far) == []  # not about the speaker, nothing close: no recall tokens
     assert recalled(far, recall_trigger="any-question")  # every question recalls in full
     assert recalled(near, recall_near_similarity=1.01) == []  # the near path off
