@@ -116,10 +116,11 @@ def owner(pid: int, space: str | None = None) -> str:
 
 
 def test_a_claim_whose_process_is_gone_is_taken_over_at_once(
-    db_url: str, llama3_engine: Engine
+    url: str, llama3_engine: Engine
 ) -> None:
     assert _turn_claim._PID_SPACE != "-"  # this machine can tell a gone process
     dead = owner(other_process_here())
+    db_url = url
     with Store(db_url) as store:
         assert store.claim_turn("cust", dead, 600.0)  # a worker killed mid-turn
         with ChatSession.open(
