@@ -1,5 +1,6 @@
-"""U+0000 in text (and in a title): SQLite keeps it, PostgreSQL (whose text cannot hold it) gets U+FFFD, and
-a turn whose reply holds one is stored on both instead of failing ("reply not stored").
+"""U+0000 in text and titles: SQLite keeps it, PostgreSQL (whose text cannot hold it) gets
+U+FFFD, and a turn whose reply holds one is stored on both instead of failing ("reply not
+stored").
 
 Oracles: the hand-written expected strings, and the rows read back through a new store.
 """
