@@ -63,7 +63,7 @@ def test_a_second_workers_turn_waits_for_the_first_and_sees_its_reply(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A short claim life: the first turn outlasts it many times, so only renewal keeps it.
-    monkeypatch.setattr(_turn_claim, "CLAIM_TTL_S", 0.6)
+    monkeypatch.setattr(_turn_claim, "CLAIM_TTL_S", 1.5)
     first_store, second_store = Store(url), Store(url)
     first = ChatSession.open(
         first_store, conversation_id="cust", model=llama3_engine, settings=GREEDY
@@ -75,7 +75,7 @@ def test_a_second_workers_turn_waits_for_the_first_and_sees_its_reply(
         stream = first.stream("where is my order 1234?")
         chunks = [next(stream)]  # its user message is stored and its reply under way
         thread, out = in_thread(lambda: second.send("and when will it arrive?"))
-        time.sleep(2.0)  # over three claim lives
+        time.sleep(4.0)  # over two claim lives
         assert stored(url, "cust") == [("user", "where is my order 1234?")]
         chunks += list(stream)
         thread.join(60)
@@ -146,14 +146,14 @@ def test_a_live_or_unknown_claim_is_waited_out(
         else:
             held_by = owner(other_process_here(), space="0" * 12)
         with Store(db_url) as store:
-            assert store.claim_turn("cust", held_by, 2.0)
             with ChatSession.open(
                 store, conversation_id="cust", model=llama3_engine, settings=GREEDY
             ) as chat:
+                assert store.claim_turn("cust", held_by, 5.0)
                 thread, out = in_thread(lambda: chat.send("are you there?"))
                 time.sleep(1.0)
                 assert stored(db_url, "cust") == []  # still waiting for the claim
-                thread.join(30)  # it runs out after 2 s
+                thread.join(30)  # it runs out after 5 s
                 assert not thread.is_alive() and not isinstance(out[0], BaseException), out
             assert [role for role, _ in stored(db_url, "cust")] == ["user", "assistant"]
     finally:
