@@ -21,7 +21,7 @@ ROUNDS = 4
 CUSTOMERS = ("c0", "c1", "c2")
 
 
-def _serve(home: str, model: str, start: Any, out: Any) -> None:
+def _serve(home: str, model: str, start: Any, finish: Any, out: Any) -> None:
     os.environ["CHATCTX_HOME"] = home
     swaps: list[tuple[str, int, str | None, str | None]] = []
     # One slot and no RAM for swaps: every change of customer goes through a file.
@@ -41,6 +41,9 @@ def _serve(home: str, model: str, start: Any, out: Any) -> None:
                     turn = chat.send(f"round {r} from {os.getpid()}").turn
                     assert turn is not None
                     swaps.append((cid, r, turn.swap_in, turn.reprefill_reason))
+        # Both run until both are done: an engine that closed early is gone, and the other
+        # would rightly adopt its states for conversations new to it (a restart's path).
+        finish.wait(120)
     out.put(swaps)
 
 
@@ -49,9 +52,9 @@ def test_two_processes_with_one_home_keep_their_swapped_states(
 ) -> None:
     home = tmp_path / "shared-home"
     context = multiprocessing.get_context("spawn")
-    start, out = context.Barrier(2), context.Queue()
+    start, finish, out = context.Barrier(2), context.Barrier(2), context.Queue()
     workers = [
-        context.Process(target=_serve, args=(str(home), str(tiny_llama3_path), start, out))
+        context.Process(target=_serve, args=(str(home), str(tiny_llama3_path), start, finish, out))
         for _ in range(2)
     ]
     for w in workers:
