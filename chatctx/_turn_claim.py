@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from chatctx._process import running
 from chatctx.errors import ChatctxError, ClosedError, ConfigError
 from chatctx.store import Store
 
@@ -75,17 +76,7 @@ def _gone(owner: str) -> bool:
         return False
     if pid == os.getpid() or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # there, under another user
-        return False
-    try:  # a zombie: killed, not yet reaped by its parent
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state in ("Z", "X")
+    return running(pid) is False
 
 
 def try_claim(store: Store, conversation_id: str, owner: str, ttl_s: float) -> bool:

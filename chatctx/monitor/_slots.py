@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from chatctx._files import write_atomic
+from chatctx._process import running
 from chatctx.config import default_home
 from chatctx.errors import StoreError
 
@@ -162,15 +162,7 @@ class SlotTable:
 
         A table whose writer is gone is stale: it shows the pool as the engine left it.
         """
-        if sys.platform == "win32":  # os.kill there terminates the process
-            return None
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # alive, owned by another user
-            return True
-        return True
+        return running(self.pid)
 
     def as_dict(self) -> dict[str, Any]:
         """The table in the file's JSON schema (what ``write_slot_table`` takes)."""
