@@ -497,7 +497,9 @@ class ContextBuilder:
         if hits:
             hits = drop_said(hits, known_text(said()))
         pick = getattr(self.recall, "snippet", snippet)  # a search may rank sentences itself
-        chosen = fit_recall(hits, query, room, self._section_cost(), pick)
+        # A question that does not ask back gets the sentences that matched, not whole
+        # messages and their replies: it is owed no recall room, only what is that close.
+        chosen = fit_recall(hits, query, room, self._section_cost(), pick, whole=mode == "full")
         # The choice used an estimate; the section's exact cost decides.
         while chosen and self._section_tokens(chosen) > room:
             chosen.pop()

@@ -293,6 +293,8 @@ def fit_recall(
     room: int,
     cost: Callable[[str], int],
     pick: Callable[[str, str], list[tuple[int, str]]] = snippet,
+    *,
+    whole: bool = True,
 ) -> list[tuple[Message, str, float]]:
     """Choose what to recall within ``room`` tokens: (message, text sent, score), best first.
 
@@ -302,6 +304,7 @@ def fit_recall(
     words; a message of one sentence, or with none picked, goes whole); then, in the room
     left, whole messages in place of their sentence; then the replies. A long message that
     matched costs no more than the sentence that matched, so the next match still fits.
+    ``whole`` False stops after the first round: the closest sentences only.
     """
     sent: dict[int, tuple[Message, str, float]] = {}  # by hit, in the order chosen
 
@@ -317,6 +320,8 @@ def fit_recall(
             if fits(index, message, text):
                 sent[index] = (message, text, hit.score)
                 break
+    if not whole:
+        return list(sent.values())
     for index, (message, text, score) in list(sent.items()):
         if text != message.content and fits(index, message, message.content):
             sent[index] = (message, message.content, score)

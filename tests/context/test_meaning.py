@@ -258,3 +258,35 @@ def test_a_question_that_does_not_ask_back_recalls_only_a_near_match(
     assert recalled(near, recall_near_similarity=1.01) == []  # the near path off
     # A question about the speaker recalls whatever the threshold of a match allows.
     assert recalled("what was i telling you about shellfish?", recall_near_similarity=1.01)
+
+
+def test_the_near_path_sends_the_close_sentence_and_asking_back_the_whole_message(
+    llama3_codec: TiktokenCodec, store: Store, embedder: Embedder
+) -> None:
+    told = (
+        "We had such a long week at home. I'm allergic to shellfish so the seafood place "
+        "was out. Anyway the kids loved the new park by the school."
+    )
+    sentence = "I'm allergic to shellfish so the seafood place was out."
+    store.add_messages(
+        "c", [{"role": "user", "content": told}, {"role": "assistant", "content": "Good to know!"}]
+    )
+    for u, a in CHAT[2:]:
+        store.add_messages(
+            "c", [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        )
+    state = ContextState(window_start=store.messages("c")[-1].position + 1)
+
+    def section(question: str) -> str:
+        config = ContextSettings(summarizer="none")
+        built = ContextBuilder(llama3_codec, config, recall=meaning(store, embedder)).build(
+            system_prompt=SYSTEM, history=[], new_message=question, budget=2000, state=state
+        )
+        texts = [str(m["content"]) for m in built.messages if m["role"] == "system"]
+        return next((t for t in texts if t.startswith(RECALL_HEADER)), "")
+
+    near = section("Is shellfish a common allergy?")  # a question, not about the speaker
+    assert f"- user: {sentence}" in near
+    assert "kids loved" not in near and "Good to know" not in near
+    back = section("what was i telling you about shellfish?")  # asks back: owed the room
+    assert f"- user: {told}" in back and "- assistant: Good to know!" in back
