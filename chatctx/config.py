@@ -103,16 +103,16 @@ class ContextSettings(_Model):
         description="question: recall for a message that asks back (a question about the "
         "speaker, 'what's my dog called?', or pointing back, 'what was it again?'; or "
         "'remind me', 'i forgot what', 'you told me'; talk with a question in it, 'yeah I "
-        "know right?', does not), and for another question only a match by meaning at least "
-        "recall_near_similarity close; any-question: every question in full; always: every "
-        "message.",
+        "know right?', does not), and for another question only the closest sentence of each "
+        "match by meaning at least recall_near_similarity close; any-question: every "
+        "question in full; always: every message.",
     )
     recall_near_similarity: float = Field(
         0.5,
         ge=-1,
         le=1.01,
         description="With recall by meaning and trigger question: how close a match must be "
-        "for a question that does not ask back to recall it (above 1: never).",
+        "for a question that does not ask back to recall its closest sentence (above 1: never).",
     )
     recall_search: Literal["auto", "meaning", "words"] = Field(
         "auto",
