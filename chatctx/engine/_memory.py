@@ -225,6 +225,10 @@ class ModelShape:
     input_bytes: int  # token embeddings: always on the CPU
     output_bytes: int  # output norm and head: on the GPU when any layer is offloaded
     rope: dict[str, Any] = field(default_factory=dict)
+    # No ``output.weight``: the head is the token embeddings, which llama.cpp loads a second
+    # time into the output layer's buffer. On the CPU both share the file's mapping; offloaded,
+    # the copy is GPU memory (1,002 MiB for an 8B-shaped model, measured on an H200).
+    tied_head: bool = False
 
     @classmethod
     def from_gguf(cls, path: Path | str) -> ModelShape:
@@ -243,7 +247,9 @@ class ModelShape:
         layers = [0] * n_layer
         input_bytes = output_bytes = 0
         n_vocab = facts["vocab_size"] or 0
+        tied_head = True
         for t in tensors:
+            tied_head = tied_head and t.name != "output.weight"
             size = tensor_bytes(t.ggml_type, t.shape)
             match = re.match(r"blk\.(\d+)\.", t.name)
             if match and int(match.group(1)) < n_layer:
@@ -273,6 +279,7 @@ class ModelShape:
                 "scaling_factor": facts["rope_scaling_factor"],
                 "orig_ctx": facts["rope_orig_ctx"],
             },
+            tied_head=tied_head,
         )
 
     def kv_bytes_per_cell_layer(self, type_k: str, type_v: str) -> int:
@@ -370,7 +377,8 @@ def plan_memory(
     ``gpu`` says whether the build can offload (``llama_supports_gpu_offload``); without it
     every layer stays on the CPU whatever ``n_gpu_layers`` says. llama.cpp offloads the *last*
     ``n_gpu_layers - 1`` repeating layers and the output layer; token embeddings stay on the
-    CPU; a layer's KV cache lives with the layer.
+    CPU; a layer's KV cache lives with the layer. A tied head (``ModelShape.tied_head``) is
+    loaded again with the output layer: offloaded, that copy is GPU memory.
     """
     flash = resolve_flash_attn(type_k, type_v, flash_attn)
     check_kv_types(type_k, type_v, shape.key_length, shape.value_length)
@@ -384,9 +392,10 @@ def plan_memory(
     per_layer_kv = cells * shape.kv_bytes_per_cell_layer(type_k, type_v)
     kv_total = per_layer_kv * n_layer
     kv_gpu = per_layer_kv * gpu_repeating
-    weights = shape.input_bytes + shape.output_bytes + sum(shape.layer_bytes)
+    head_copy = shape.input_bytes if shape.tied_head and offloaded else 0
+    weights = shape.input_bytes + shape.output_bytes + sum(shape.layer_bytes) + head_copy
     weights_gpu = sum(shape.layer_bytes[i] for i in gpu_layers) + (
-        shape.output_bytes if offloaded else 0
+        shape.output_bytes + head_copy if offloaded else 0
     )
     # llama.cpp's "auto" turns flash attention on wherever the device supports it (CPU does).
     compute = compute_bytes_estimate(

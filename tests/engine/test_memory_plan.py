@@ -10,6 +10,7 @@ import pytest
 
 from chatctx.config import EngineConfig
 from chatctx.engine import Engine
+from chatctx.engine._gguf import TensorInfo
 from chatctx.engine._memory import (
     GGML_TYPES,
     ModelShape,
@@ -231,3 +232,71 @@ def test_block_rule_is_llama_cpps_own(
             )
     finally:
         model.close()
+
+
+# llama.cpp's own weight buffers for bench/gpu_check.py's 8B-shaped random model (tied head,
+# f16 matrices) with every layer offloaded on an NVIDIA H200: CUDA build of llama-cpp-python
+# 0.3.36, `python bench/gpu_check.py --shape 8b` on 2026-12-04 (bench/README.md, "On a GPU").
+H200_8B_MODEL_BUFFERS = {"CPU_Mapped": 1_050_673_152, "CUDA0": 15_010_386_412}
+
+
+def llama3_8b_header(*, head: bool) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """The tensor table bench/gpu_check.py's 8B shape writes, by hand (f16 = 1, f32 = 0)."""
+    n_embd, n_layer, n_kv, n_ff, n_vocab, head_dim = 4096, 32, 8, 14336, 128256, 128
+    tensors = [
+        TensorInfo("token_embd.weight", (n_embd, n_vocab), 1),
+        TensorInfo("output_norm.weight", (n_embd,), 0),
+    ]
+    if head:
+        tensors.append(TensorInfo("output.weight", (n_embd, n_vocab), 1))
+    for i in range(n_layer):
+        matrices = {
+            "attn_q": (n_embd, n_embd),
+            "attn_k": (n_embd, n_kv * head_dim),
+            "attn_v": (n_embd, n_kv * head_dim),
+            "attn_output": (n_embd, n_embd),
+            "ffn_gate": (n_embd, n_ff),
+            "ffn_up": (n_embd, n_ff),
+            "ffn_down": (n_ff, n_embd),
+        }
+        tensors += [
+            TensorInfo(f"blk.{i}.{name}.weight", dims, 1) for name, dims in matrices.items()
+        ]
+        tensors += [
+            TensorInfo(f"blk.{i}.{n}.weight", (n_embd,), 0) for n in ("attn_norm", "ffn_norm")
+        ]
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": n_layer,
+        "llama.embedding_length": n_embd,
+        "llama.attention.head_count": 32,
+        "llama.attention.head_count_kv": n_kv,
+        "llama.feed_forward_length": n_ff,
+        "llama.context_length": 8192,
+    }
+    return meta, tensors
+
+
+def test_a_tied_head_offloaded_is_a_second_copy_on_the_gpu() -> None:
+    # Without output.weight llama.cpp loads token_embd again as the head, with the output
+    # layer: on the GPU once offloaded, while the input copy stays in the CPU mapping.
+    shape = ModelShape.from_header(*llama3_8b_header(head=False))
+    assert shape.tied_head
+    plan = plan_memory(shape, n_ctx=8192, gpu=True)
+    assert within(plan.weights_gpu_bytes, H200_8B_MODEL_BUFFERS["CUDA0"], 0.001)
+    on_cpu = plan.weights_bytes - plan.weights_gpu_bytes
+    assert within(on_cpu, H200_8B_MODEL_BUFFERS["CPU_Mapped"], 0.001)
+    # On the CPU alone both names share the file's mapping: the weights are the file's tensors.
+    cpu_only = plan_memory(shape, n_ctx=8192, gpu=False)
+    assert cpu_only.weights_bytes == shape.input_bytes + shape.output_bytes + sum(shape.layer_bytes)
+    assert cpu_only.weights_gpu_bytes == 0
+
+
+def test_a_separate_head_is_loaded_once() -> None:
+    shape = ModelShape.from_header(*llama3_8b_header(head=True))
+    assert not shape.tied_head
+    plan = plan_memory(shape, n_ctx=8192, gpu=True)
+    # A head of its own takes the GPU room the tied head's copy took: the H200's CUDA0 buffer.
+    assert within(plan.weights_gpu_bytes, H200_8B_MODEL_BUFFERS["CUDA0"], 0.001)
+    assert plan.weights_bytes - plan.weights_gpu_bytes == shape.input_bytes
+    assert plan.weights_bytes == shape.input_bytes + shape.output_bytes + sum(shape.layer_bytes)
