@@ -189,6 +189,14 @@ class EngineConfig(_Model):
     )
     n_batch: int = Field(512, ge=1, description="Most tokens submitted to one decode call.")
     n_ubatch: int = Field(512, ge=1, description="Physical micro-batch size.")
+    prefill_chunk: int | None = Field(
+        None,
+        ge=1,
+        description="Most prompt tokens of one conversation per decode call; running streams "
+        "wait for one such call at most. Unset: 256 on the CPU, `n_batch` with layers on a "
+        "GPU, where 256-token calls evaluate a prompt 1.3-1.5x slower (bench/README.md, 'On a "
+        "GPU').",
+    )
     slots: int = Field(
         1, ge=1, le=63, description="Conversations whose caches the engine holds at once."
     )

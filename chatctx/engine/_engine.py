@@ -35,7 +35,7 @@ from chatctx.engine._memory import kv_cells, pad256, summary_room_for
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._native import NativeContext, NativeModel, supports_gpu_offload
 from chatctx.engine._pool import KVSlots
-from chatctx.engine._scheduler import BatchCounters, Job, Scheduler
+from chatctx.engine._scheduler import PREFILL_CHUNK, BatchCounters, Job, Scheduler
 from chatctx.engine._sequences import Insert, prepare
 from chatctx.engine._slots import PooledLeases
 from chatctx.engine._swap import SwapEntry, fingerprint_mismatch
@@ -200,6 +200,8 @@ class Engine(PooledLeases, Closeable):
             self._mirror: dict[int, list[int]] = {s: [] for s in range(config.n_seq_max)}
             self._codec: PromptCodec | None = None
             self.gpu_offload = supports_gpu_offload() and config.n_gpu_layers != 0
+            # A GPU evaluates a whole n_batch for little more than a smaller chunk.
+            chunk = config.prefill_chunk or (config.n_batch if self.gpu_offload else PREFILL_CHUNK)
             self._scheduler = Scheduler(
                 self.context,
                 self.model,
@@ -208,6 +210,7 @@ class Engine(PooledLeases, Closeable):
                 n_ctx=self._n_ctx,
                 admit=self._admit,
                 released=self._released,
+                prefill_chunk=chunk,
             )
             self.kv_slots = KVSlots(self)
             self._stack.callback(self.kv_slots.directory.close)  # a failed load lets go
@@ -621,6 +624,11 @@ class Engine(PooledLeases, Closeable):
             eviction=eviction,
             history_start=history_start,
         ).wait(first_token_only=True)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Most prompt tokens of one conversation per decode call (``EngineConfig``)."""
+        return self._scheduler.prefill_chunk
 
     @property
     def batch_counters(self) -> BatchCounters:

@@ -12,8 +12,9 @@ prompt is cut into batches (a 300-token prompt as one batch or as 256 + 44 diffe
 0.5 in a logit on this CPU build) and on the other sequences' tokens in the same batch (a
 prompt chunk beside another sequence's chunk: 0.55), while the streaming tokens of several
 sequences decoded together are bitwise equal to each one decoded alone (split KV cache). So
-chunk boundaries are a function of the sequence's own positions only (multiples of
-``PREFILL_CHUNK``, or ``BACKGROUND_CHUNK`` for background work), every chunk is decoded with
+chunk boundaries are a function of the sequence's own positions only (multiples of the
+engine's ``prefill_chunk``, ``PREFILL_CHUNK`` on the CPU, or ``BACKGROUND_CHUNK`` for
+background work), every chunk is decoded with
 no other sequence's tokens, and streaming tokens go together (bench/README.md, "A reply
 does not depend on load").
 
@@ -40,7 +41,7 @@ from chatctx.errors import ClosedError, ConfigError
 
 logger = logging.getLogger("chatctx.engine")
 
-PREFILL_CHUNK = 256  # prompt chunk boundaries: multiples of this many positions
+PREFILL_CHUNK = 256  # prompt chunk boundaries on the CPU: multiples of this many positions
 BACKGROUND_CHUNK = 32  # prompt tokens per step of a background generation
 LOOKAHEAD = 4  # chunks a generation may run ahead of its reader before it waits
 
@@ -115,8 +116,10 @@ class Scheduler:
         n_ctx: int,
         admit: Callable[[Job], tuple[KVReport, int, Insert | None]],
         released: Callable[[Job], None] = lambda job: None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.context = context
+        self.prefill_chunk = min(prefill_chunk, context.n_batch)
         self.model = model
         self.mirrors = mirrors
         self.n_ctx = n_ctx
@@ -248,8 +251,10 @@ class Scheduler:
             self._decode(streams)
         chosen = self._next_prefill(evaluating, foreground_prefill)
         if chosen is not None and chosen.state != "done":
-            step = min(
-                BACKGROUND_CHUNK if chosen.background else PREFILL_CHUNK, self.context.n_batch
+            step = (
+                min(BACKGROUND_CHUNK, self.prefill_chunk)
+                if chosen.background
+                else self.prefill_chunk
             )
             end = min((chosen.pos // step + 1) * step, chosen.pos + len(chosen.todo))
             chunk = chosen.todo[: end - chosen.pos]

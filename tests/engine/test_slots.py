@@ -382,3 +382,26 @@ def test_states_in_ram_survive_a_restart(tiny_llama3_path: Path, tmp_path: Path)
             assert engine.cached_tokens(lease.seq_id) == tuple(range(base, base + 80))
             assert engine.kv_cells(lease.seq_id) == 80  # llama.cpp's own count
             engine.release(lease)
+
+
+def test_the_prefill_chunk_is_a_setting(tiny_llama3_path: Path) -> None:
+    from chatctx.engine._scheduler import PREFILL_CHUNK
+
+    # No GPU here: unset, it is the CPU's 256; set, prompts go in chunks ending at its
+    # multiples, and never more than n_batch.
+    with Engine.load(tiny_llama3_path, n_ctx=1024) as engine:
+        assert not engine.gpu_offload and engine.prefill_chunk == PREFILL_CHUNK == 256
+    with Engine.load(tiny_llama3_path, n_ctx=1024, n_batch=96, prefill_chunk=500) as engine:
+        assert engine.prefill_chunk == 96
+    with Engine.load(tiny_llama3_path, n_ctx=1024, prefill_chunk=100) as engine:
+        sizes: list[int] = []
+        decode_many = engine.context.decode_many
+
+        def recording(parts: Any) -> list[int]:
+            sizes.extend(len(tokens) for _, tokens, _, _ in parts)
+            return decode_many(parts)
+
+        engine.context.decode_many = recording  # type: ignore[method-assign]
+        engine.prefill([128000, *range(1000, 1130)])  # 131 tokens from position 0
+        engine.prefill([128000, *range(1000, 1350)])  # 351: the first 131 are kept
+        assert sizes == [100, 31, 69, 100, 51]
