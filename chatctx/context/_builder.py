@@ -474,7 +474,8 @@ class ContextBuilder:
         said: Callable[[], list[str]],
     ) -> list[tuple[Message, str, float]]:
         """What to recall for this prompt: (message, text sent, score), best first. ``said``
-        gives the rest of the prompt's texts: a sentence it holds is not recalled again."""
+        gives the rest of the prompt's texts, the new message last: a sentence they hold is
+        not recalled again."""
         s, search = self.settings, self.recall
         mode = self._recalls(query)
         if search is None or window_start <= 0 or mode is None:
@@ -495,7 +496,8 @@ class ContextBuilder:
             if h.message.id not in pinned_ids and not repeats(h.message, query)
         ][: s.recall_k]
         if hits:
-            hits = drop_said(hits, known_text(said()))
+            *rest, asked = said()
+            hits = drop_said(hits, known_text(rest, asked))
         pick = getattr(self.recall, "snippet", snippet)  # a search may rank sentences itself
         # A question that does not ask back gets the sentences that matched, not whole
         # messages and their replies: it is owed no recall room, only what is that close.

@@ -30,6 +30,7 @@ from importlib.resources import files
 from chatctx.store._search import STOPWORDS
 
 __all__ = [
+    "EMPTY_WORDS",
     "FACTS_PREFIX",
     "Statement",
     "fact_set",
@@ -400,6 +401,7 @@ _VAGUE = frozenset(
     """.split()  # noqa: SIM905
 )
 _EMPTY_WORDS = STOPWORDS | _VAGUE
+EMPTY_WORDS = _EMPTY_WORDS  # words that say nothing: function words, fillers, vague chat words
 
 
 def _load_vocabulary() -> tuple[int, dict[str, int]]:

@@ -13,12 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from chatctx.context._facts import EMPTY_WORDS
 from chatctx.store import Message
 from chatctx.store._search import query_terms, stem_prefix
 
 RECALL_HEADER = "Earlier in this conversation (recalled):\n"
 SNIPPET_GAP = " … "
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_CLAUSE_END = re.compile(r"[.!?;:]+(?:\s+|$)|\n+")  # ":" ends a label ("User: ...")
 _WORD = re.compile(r"[^\W_]+")
 
 
@@ -68,6 +70,12 @@ _FILLERS = frozenset(
     ok okay k so and but also oh hey hi yo wait um umm uh hmm hm lol haha btw quick question
     random real actually anyway anyways well yeah ya sorry
     """.split()  # noqa: SIM905
+)
+
+# Words a sentence says nothing with, for ``said``: function words, vague chat words, the
+# fillers a summary cuts ("oh and ... lol").
+_SAYS_NOTHING = (
+    EMPTY_WORDS | _FILLERS | frozenset("plus fyi ps xd im ur ah eh ha jk ty hehe".split())  # noqa: SIM905
 )
 
 # What ``asks_back`` reads a clause by.
@@ -199,25 +207,59 @@ def repeats(message: Message, query: str) -> bool:
     return _normalized(message.content) == _normalized(query)
 
 
-def known_text(texts: Sequence[str]) -> str:
-    """What a prompt already says, for ``unsaid``: its words, normalized, space-delimited."""
-    return " " + " ".join(" ".join(_normalized(t)) for t in texts) + " "
+@dataclass(frozen=True, slots=True)
+class Known:
+    """What a prompt already says, for ``said``."""
+
+    text: str  # its words, normalized, space-delimited
+    clauses: frozenset[frozenset[str]]  # what each clause says (``_news``), cut at . ! ? ; :
 
 
-def unsaid(message: Message, known: str) -> Message | None:
-    """``message`` less the sentences the prompt already says word for word (``known``, from
-    ``known_text``: an extractive summary often holds the very sentence a search finds), or
-    None when nothing is left. Recalling them again would cost tokens and add nothing."""
+def known_text(texts: Sequence[str], asked: str = "") -> Known:
+    """What a prompt already says: its words in order, and what each clause of ``texts``
+    says. The question (``asked``) counts word for word only: its clauses name what it asks
+    about, which is what an answer says too."""
+    clauses = frozenset(
+        frozenset(news)
+        for text in texts
+        for clause in _CLAUSE_END.split(text)
+        if (news := _news(_normalized(clause)))
+    )
+    words = " ".join(" ".join(_normalized(t)) for t in [*texts, asked])
+    return Known(f" {words} ", clauses)
+
+
+def _news(words: Sequence[str]) -> set[str]:
+    """The words of a sentence that say something: not function words or chat fillers
+    ("NY" and "2" do)."""
+    return {w for w in words if w not in _SAYS_NOTHING and (len(w) > 1 or w.isdigit())}
+
+
+def said(sentence: str, known: Known) -> bool:
+    """Whether the prompt already says ``sentence``: word for word, or in a clause that says
+    the same and only that, fillers aside (an extractive summary keeps "forgot to take
+    zoloft this morning" of "oh and forgot to take zoloft this morning lol"). A sentence with
+    nothing to say ("how do you feel?") is said."""
+    words = _normalized(sentence)
+    if f" {' '.join(words)} " in known.text:
+        return True
+    news = _news(words)
+    return not news or frozenset(news) in known.clauses
+
+
+def unsaid(message: Message, known: Known) -> Message | None:
+    """``message`` less the sentences the prompt already says (``said``), or None when
+    nothing is left. Recalling them again would cost tokens and add nothing."""
     parts = sentences(message.content)
-    kept = [s for _, s in parts if f" {' '.join(_normalized(s))} " not in known]
-    if not any(_normalized(s) for s in kept):
+    kept = [s for _, s in parts if not said(s, known)]
+    if not kept:
         return None
     if len(kept) == len(parts):
         return message
     return replace(message, content="\n".join(kept))
 
 
-def drop_said(hits: Sequence[Hit], known: str) -> list[Hit]:
+def drop_said(hits: Sequence[Hit], known: Known) -> list[Hit]:
     """``hits`` with what the prompt already says taken out (``unsaid``); a hit whose message
     is all said keeps its reply's news, as a hit of its own."""
     out: list[Hit] = []

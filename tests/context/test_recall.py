@@ -401,3 +401,35 @@ def test_what_the_prompt_already_says_is_not_recalled_again(
     built = ask(everything + said[1].content)
     assert built.plan.recalled_ids == []
     assert RECALL_HEADER not in str(built.messages[-2]["content"])
+
+
+def test_a_clause_that_says_the_same_is_said(llama3_codec: TiktokenCodec, store: Store) -> None:
+    # The extractive summary keeps the clause of a sentence that says something, fillers cut
+    # ("oh and", "lol"), behind a "User:" label: that sentence is not sent again. A sentence
+    # whose words that say something only partly match a clause is news, and so is one that
+    # shares them with a clause saying more (the gym one: "right" and "work" are in the
+    # station clause, which also says "station").
+    meds = add_turn(
+        store,
+        "oh and forgot to take zoloft this morning and im def feeling it lol. "
+        "i go right after work now.",
+        "Hope the day gets better!",
+    )
+    kept = add_turn(store, FILLER[2], "Sounds tiring.")
+    summary = (
+        "User: forgot to take zoloft this morning and im def feeling it; "
+        "I work right by the station"
+    )
+    built = builder(llama3_codec, store).build(
+        system_prompt=SYSTEM,
+        history=store.messages("c", from_position=kept[0].position),
+        new_message="what did i tell you about zoloft and going after work?",
+        budget=2000,
+        state=ContextState(window_start=kept[0].position, summary=summary),
+    )
+    section = built.messages[-2]["content"]
+    assert section.removeprefix(RECALL_HEADER).splitlines() == [
+        "- user: i go right after work now.",
+        "- assistant: Hope the day gets better!",
+    ]
+    assert built.plan.recalled_ids == [meds[0].id, meds[1].id]
