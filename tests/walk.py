@@ -9,7 +9,8 @@ what the tests check, so this one is written apart from it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -38,13 +39,16 @@ def server_walk(cached: Sequence[int], prompt: Sequence[int], min_chunk: int) ->
 
 
 def kept_in(
-    messages: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]]
+    messages: Sequence[dict[str, Any]],
+    before: Sequence[dict[str, Any]],
+    same: Callable[[dict[str, Any], dict[str, Any]], bool] = operator.eq,
 ) -> list[int | None]:
-    """For each of ``messages``, its index in ``before`` matched in order (None: not there)."""
+    """For each of ``messages``, its index in ``before`` matched in order (None: not there);
+    ``same(message, earlier)`` says what matches (default: equal)."""
     out: list[int | None] = []
     at = 0
     for message in messages:
-        j = next((i for i in range(at, len(before)) if before[i] == message), None)
+        j = next((i for i in range(at, len(before)) if same(message, before[i])), None)
         out.append(j)
         if j is not None:
             at = j + 1
