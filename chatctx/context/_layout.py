@@ -31,7 +31,7 @@ from collections.abc import Sequence
 __all__ = ["MAX_BLOCKS", "SUMMARY_HEADER", "SUMMARY_MORE", "Block", "next_blocks", "render"]
 
 SUMMARY_HEADER = "Summary of the earlier conversation (older turns are not shown):\n"
-SUMMARY_MORE = "Summary, continued:\n"  # 4 Llama 3 tokens a block (was 8)
+SUMMARY_MORE = "Summary of the earlier conversation, continued:\n"
 MAX_BLOCKS = 8  # then the summary is sent again as one block (one re-evaluation)
 MIN_RUN_CHARS = 80  # kept lines between two dropped ones: about 16 tokens of English at least
 
