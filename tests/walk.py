@@ -9,8 +9,7 @@ what the tests check, so this one is written apart from it.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -39,16 +38,13 @@ def server_walk(cached: Sequence[int], prompt: Sequence[int], min_chunk: int) ->
 
 
 def kept_in(
-    messages: Sequence[dict[str, Any]],
-    before: Sequence[dict[str, Any]],
-    same: Callable[[dict[str, Any], dict[str, Any]], bool] = operator.eq,
+    messages: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]]
 ) -> list[int | None]:
-    """For each of ``messages``, its index in ``before`` matched in order (None: not there);
-    ``same(message, earlier)`` says what matches (default: equal)."""
+    """For each of ``messages``, its index in ``before`` matched in order (None: not there)."""
     out: list[int | None] = []
     at = 0
     for message in messages:
-        j = next((i for i in range(at, len(before)) if same(message, before[i])), None)
+        j = next((i for i in range(at, len(before)) if before[i] == message), None)
         out.append(j)
         if j is not None:
             at = j + 1

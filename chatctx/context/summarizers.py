@@ -206,40 +206,7 @@ class ExtractiveSummarizer:
         return text if self.count(text) <= room else None
 
     def _compact(self, previous: str, new_facts: list[str], candidates: list[_Item]) -> str:
-        """The summary brought to ``compact_to`` of ``max_tokens`` with the new items in.
-
-        What stays is chosen over every item (``_fit``). Laid out, each previous line whose
-        items and facts all stay is kept as it was, in place, and the rest of what stays
-        follows in a block at the end: a prompt then only loses spans (the lines dropped)
-        and grows at its end, which a cache keeps the rest around (``_layout``). Written as
-        one new text only when that layout would not fit ``max_tokens``.
-        """
         target = max(16, int(self.max_tokens * self.compact_to))
-        rewritten = self._rewrite(previous, new_facts, candidates, target)
-        if not previous:
-            return rewritten
-        facts, items = _parse(rewritten)
-        staying_facts, staying_items = set(facts), set(items)
-        lines: list[str] = []
-        for line in previous.split("\n"):
-            line_facts, line_items = _parse(line)
-            if (line_facts or line_items) and (
-                staying_facts.issuperset(line_facts) and staying_items.issuperset(line_items)
-            ):
-                lines.append(line)
-                staying_facts.difference_update(line_facts)
-                staying_items.difference_update(line_items)
-        rest = [(0.0, order, label, text) for order, (label, text) in enumerate(items)]
-        block = _render(
-            [f for f in facts if f in staying_facts],
-            [item for item in rest if (item[2], item[3]) in staying_items],
-        )
-        laid_out = "\n".join([*lines, block] if block else lines)
-        return laid_out if self.count(laid_out) <= self.max_tokens else rewritten
-
-    def _rewrite(
-        self, previous: str, new_facts: list[str], candidates: list[_Item], target: int
-    ) -> str:
         old_facts, old_items = _parse(previous)
         facts = list(dict.fromkeys(old_facts + new_facts))
         items: list[_Item] = [

@@ -336,26 +336,3 @@ def test_a_sentence_without_its_subject_after_a_negation_is_the_speakers() -> No
     # Chat drops the "I" after a negation as after other verbs; ordinary words, no name.
     found = statement("can't stand blue cheese, never could")
     assert found is not None and "blue cheese" in found.text
-
-
-def test_a_compaction_keeps_whole_lines_in_place(llama3_codec: TiktokenCodec) -> None:
-    # Counted in words, by hand. Each liking costs 5 words and its line break 1; the summary
-    # may take 20 and is compacted to 14. The third liking does not fit (16 + 5 > 20): of
-    # the allergy and the three likings, 14 words keep the allergy and the two newest, as
-    # before, but laid out so that what a prompt holds only loses a span and grows at its
-    # end: the allergy and pierogi lines stay as they were, the new liking comes after.
-    summarize = ExtractiveSummarizer(lambda text: len(text.split()), max_tokens=20)
-    summary = summarize(None, chat(("user", "I'm allergic to penicillin")))
-    seen = [summary]
-    for i, food in enumerate(("bibimbap", "pierogi", "shakshuka", "tamales")):
-        summary = summarize(summary, chat(("user", f"i really like {food}"), start=10 + i))
-        seen.append(summary)
-    allergy = "User: I'm allergic to penicillin"
-    like = "User: i really like {}".format
-    assert seen == [
-        allergy,
-        f"{allergy}\n{like('bibimbap')}",
-        f"{allergy}\n{like('bibimbap')}\n{like('pierogi')}",
-        f"{allergy}\n{like('pierogi')}\n{like('shakshuka')}",
-        f"{allergy}\n{like('shakshuka')}\n{like('tamales')}",
-    ]

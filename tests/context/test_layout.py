@@ -27,7 +27,7 @@ from chatctx.context import (
     ContextState,
     ExtractiveSummarizer,
 )
-from chatctx.context._layout import MAX_BLOCKS, MIN_RUN_CHARS, next_blocks, render
+from chatctx.context._layout import MAX_BLOCKS, next_blocks, render
 from chatctx.engine._codec import TiktokenCodec
 from chatctx.engine._kv import plan_in_order
 from chatctx.store import Message
@@ -55,16 +55,6 @@ def summary_text(messages: Sequence[dict[str, Any]]) -> str:
         p.removeprefix(SUMMARY_HEADER) if p.startswith(SUMMARY_HEADER) else p[len(SUMMARY_MORE) :]
         for p in parts
     )
-
-
-def shrunk(message: dict[str, Any], before: dict[str, Any]) -> bool:
-    """Whether ``message`` is ``before``, or the same summary block less some of its lines."""
-    if message == before:
-        return True
-    if not (is_summary(message) and is_summary(before)):
-        return False
-    lines, old = message["content"].split("\n"), iter(before["content"].split("\n"))
-    return lines[0] == before["content"].split("\n")[0] and all(line in old for line in lines)
 
 
 def recent_search(history: list[Message]):
@@ -192,8 +182,7 @@ def test_append_layout_only_deletes_spans_and_appends(
             "role": "user",
             "content": user_text(number, turns[number][0]),
         }
-        # A compaction keeps a summary block less some of its lines: a deletion inside it.
-        found = [*kept_in(result.messages[:-1], before, shrunk), None]
+        found = [*kept_in(result.messages[:-1], before), None]
         k = len(found)
         while k > 0 and found[k - 1] is None:
             k -= 1
@@ -203,11 +192,6 @@ def test_append_layout_only_deletes_spans_and_appends(
         # chunk (the walk written above is the oracle, not chatctx's plan_in_order).
         kept = [j for j in found[:k] if j is not None]
         runs = 1 + sum(1 for a, b in itertools.pairwise(kept) if b != a + 1)
-        runs += sum(
-            shrunk(m, before[j]) and m != before[j]
-            for m, j in zip(result.messages, found[:k], strict=False)
-            if j is not None
-        )
         tail = len(result.tokens) - len(
             codec.prompt_tokens(result.messages[:k], add_generation_prompt=False)
         )
@@ -298,46 +282,3 @@ def test_plan_in_order_matches_the_server_walk() -> None:
     tail = [*range(10), *range(40, 100)]
     walked = plan_in_order(cached, tail, min_chunk=16)
     assert walked.prefix + walked.chunk_len == len(tail) - 1 == server_walk(cached, tail, 16)
-
-
-def test_a_compaction_keeps_the_blocks_of_the_lines_it_keeps() -> None:
-    # Hand-computed: three blocks of one line each; the compaction drops the middle line
-    # and appends one. Lines start at 0, 33 and 62; in the new text at 0, 33 and 61.
-    allergy, bibimbap, pierogi = (
-        "User: I'm allergic to penicillin",
-        "User: i really like bibimbap",
-        "User: i really like pierogi",
-    )
-    previous = "\n".join([allergy, bibimbap, pierogi])
-    blocks = ((0, 1), (32, 5), (61, 9))
-    assert render(previous, blocks, "append") == [
-        (1, SUMMARY_HEADER + allergy),
-        (5, SUMMARY_MORE + bibimbap),
-        (9, SUMMARY_MORE + pierogi),
-    ]
-    summary = "\n".join([allergy, pierogi, "User: i really like shakshuka"])
-    kept = next_blocks(previous, blocks, summary, 13)
-    assert kept == ((0, 1), (33, 9), (61, 13))
-    # Only the middle block goes: the others are sent as they were, the new line after.
-    assert render(summary, kept, "append") == [
-        (1, SUMMARY_HEADER + allergy),
-        (9, SUMMARY_MORE + pierogi),
-        (13, SUMMARY_MORE + "User: i really like shakshuka"),
-    ]
-    # The first block gone: it stays, empty, so the next keeps its header.
-    summary = "\n".join([pierogi, "User: i really like shakshuka"])
-    kept = next_blocks(previous, blocks, summary, 13)
-    assert kept == ((0, 1), (0, 9), (28, 13))
-    assert render(summary, kept, "append") == [
-        (9, SUMMARY_MORE + pierogi),
-        (13, SUMMARY_MORE + "User: i really like shakshuka"),
-    ]
-    # Lines of one block kept around a dropped one: each kept run must be long enough for
-    # llama-server to find again (MIN_RUN_CHARS), or the summary is sent again whole.
-    two = "\n".join([allergy, bibimbap, pierogi])
-    assert next_blocks(two, ((0, 1),), "\n".join([allergy, pierogi]), 13) == ((0, 13),)
-    long = "User: my daughter Maya starts kindergarten at Lincoln Elementary school in the fall"
-    three = "\n".join([long, bibimbap, long.replace("Maya", "June")])
-    assert len(long) + 1 >= MIN_RUN_CHARS
-    kept = next_blocks(three, ((0, 1),), "\n".join([long, long.replace("Maya", "June")]), 13)
-    assert kept == ((0, 1),)
