@@ -400,8 +400,8 @@ _VAGUE = frozenset(
     year years youd youll youre youve yup
     """.split()  # noqa: SIM905
 )
-_EMPTY_WORDS = STOPWORDS | _VAGUE
-EMPTY_WORDS = _EMPTY_WORDS  # words that say nothing: function words, fillers, vague chat words
+# Words that say nothing: function words, fillers, vague chat words.
+EMPTY_WORDS = STOPWORDS | _VAGUE
 
 
 def _load_vocabulary() -> tuple[int, dict[str, int]]:
@@ -465,7 +465,7 @@ def specific_words(said: str) -> int:
     (``chatctx/data/common_words.txt``) and not fillers, e.g. "propranolol", "Poughkeepsie",
     "bouldering", but not "class", "pizza" or "tired"."""
     words = {word.casefold() for word in _ALPHA.findall(said)}
-    return sum(1 for w in words if len(w) > 2 and w not in _EMPTY_WORDS and w not in _RARITY)
+    return sum(1 for w in words if len(w) > 2 and w not in EMPTY_WORDS and w not in _RARITY)
 
 
 def rarity(word: str) -> float:
@@ -481,14 +481,14 @@ def information(low: str) -> float:
     counts for how much rarer it is than everyday chat (``rarity`` above ``RARE_FROM``,
     scaled to 0..1). "i wonder when he went to bed" 0, "picked up beekeeping over the
     summer, obsessed now" 1.3."""
-    words = {w for w in _ALPHA.findall(low) if len(w) > 2 and w not in _EMPTY_WORDS}
+    words = {w for w in _ALPHA.findall(low) if len(w) > 2 and w not in EMPTY_WORDS}
     return sum(max(0.0, rarity(w) - RARE_FROM) / (1.0 - RARE_FROM) for w in words)
 
 
 def _content_words(low: str) -> int:
     """How many different words of ``low`` say something: not function words, fillers or
     numbers."""
-    return len({w for w in _ALPHA.findall(low) if len(w) > 2 and w not in _EMPTY_WORDS})
+    return len({w for w in _ALPHA.findall(low) if len(w) > 2 and w not in EMPTY_WORDS})
 
 
 def _tidy(sentence: str) -> str:
