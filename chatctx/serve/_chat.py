@@ -365,6 +365,9 @@ async def _open_turn(
                 await asyncio.to_thread(_drop, session, ephemeral)
 
             cleanup.append(drop_ephemeral)
+        # The drain may have begun while this request waited for its conversation: a turn
+        # that starts now would be one the drain neither waits for nor cuts.
+        service.require_ready()
     except BaseException:
         await unwind()
         raise

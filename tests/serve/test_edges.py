@@ -212,6 +212,43 @@ def test_hanging_up_stateless_streams_does_not_use_up_the_keys_turns(start_app: 
     assert response.status_code == 200, response.text
 
 
+def test_a_request_still_waiting_for_its_conversation_when_the_drain_begins_is_refused(
+    start_app: Any,
+) -> None:
+    app = start_app(delay=0.2)
+    service = app.app.state.service
+    answers: dict[str, httpx.Response] = {}
+
+    def ask(name: str, max_tokens: int) -> None:
+        answers[name] = app.post(
+            {
+                "conversation": "d1",
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": name}],
+            }
+        )
+
+    first = threading.Thread(target=ask, args=("first", 8))
+    first.start()
+    deadline = time.monotonic() + 10
+    while not service.cancels and time.monotonic() < deadline:  # the first turn runs
+        time.sleep(0.02)
+    second = threading.Thread(target=ask, args=("second", 300))
+    second.start()
+    time.sleep(0.5)  # the second request waits for the conversation's lock
+    service.draining = True  # what SIGTERM's drain sets; it then waits for turns in flight
+    first.join(30)
+    second.join(30)
+    # The drain saw one turn in flight and let it finish. The second came in before the
+    # drain and got the lock after it began: refused, safe to retry, nothing of it stored.
+    assert answers["first"].status_code == 200, answers["first"].text
+    assert answers["second"].status_code == 503, answers["second"].text
+    assert answers["second"].json()["error"]["code"] == "draining"
+    assert answers["second"].headers.get("x-should-retry") is None
+    assert [m.content for m in app.store.messages("d1") if m.role == "user"] == ["first"]
+    assert not service.cancels
+
+
 def test_the_request_timeout_cuts_a_turn_in_its_prefill(start_app: Any) -> None:
     app = start_app(Limits(request_timeout_s=1.0), prefill=6.0)
     started = time.monotonic()
