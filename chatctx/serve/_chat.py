@@ -412,7 +412,10 @@ async def chat_completion(
     except BaseException:
         await turn.close()
         raise
-    if first is None and turn.run.reply is None:
+    reply = turn.run.reply
+    # A reply cut before its first token: none at all (the engine), or one with no text and
+    # so no message (a llama-server stream stopped in its prefill still reports figures).
+    if first is None and (reply is None or reply.message_id is None):
         await turn.close()
         if turn.run.cut == "timeout":
             error = APIError(504, "no reply within the request timeout", code="timeout")

@@ -5,13 +5,22 @@ Oracles: the llama-servers' own counters (``/metrics``) and the store ``serve`` 
 
 from __future__ import annotations
 
+import contextlib
+import select
+import socket
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+import uvicorn
 from openai import OpenAI
 
-from chatctx.llama_server import LlamaServerProcess
+from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
 from chatctx.llama_server._slot_files import swap_filename
+from chatctx.serve import Limits, ServeConfig, create_app
+from chatctx.store import Store
 from tests.llama_server.conftest import start_server
 from tests.llama_server.test_router_servers import metrics
 from tests.serve.conftest import ServerProcess
@@ -118,3 +127,74 @@ def test_serve_swaps_a_slot_given_away_to_the_servers_slot_save_path(
         assert second.swap_in == "disk" and second.reprefill_reason is None, cid
         assert second.reused_tokens >= first.prompt_tokens, cid  # the server's cache_n
         assert (server.slot_save_path / swap_filename(cid)).stat().st_size > 0
+
+
+class _SlowCompletions:
+    """A TCP proxy to a llama-server that holds each ``POST /completion`` back ``delay``
+    seconds, as a long prefill on a busy GPU would; everything else passes at once."""
+
+    def __init__(self, port: int, delay: float) -> None:
+        self.port, self.delay = port, delay
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        first = client.recv(65536)
+        if first.startswith(b"POST /completion"):
+            time.sleep(self.delay)
+        with client, socket.create_connection(("127.0.0.1", self.port)) as upstream:
+            upstream.sendall(first)
+            pair = {client: upstream, upstream: client}
+            with contextlib.suppress(OSError):
+                while data := (ready := select.select(list(pair), [], [])[0][0]).recv(65536):
+                    pair[ready].sendall(data)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_cut_in_its_prefill_on_llama_server_answers_504(
+    server: LlamaServerProcess, smollm2_path: Path, tmp_path: Path, stream: bool
+) -> None:
+    proxy = _SlowCompletions(int(server.url.rsplit(":", 1)[1]), delay=4.0)
+    backend = LlamaServerBackend(proxy.url, model=smollm2_path)
+    store = Store(f"sqlite:///{tmp_path / 'serve.db'}")
+    app = create_app(
+        ServeConfig(limits=Limits(request_timeout_s=1.5)), backend=backend, store=store
+    )
+    sock = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    uv = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
+    threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        body = {
+            "conversation": "p1",
+            "max_tokens": 8,
+            "stream": stream,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        # No token came before the request timeout: a 504 (as on the in-process engine), and
+        # the user message, stored by the turn, must not be sent again.
+        assert response.status_code == 504, response.text
+        assert response.headers.get("x-should-retry") == "false"
+        assert [(m.role, m.content) for m in store.messages("p1")] == [("user", "hi")]
+        assert [t.stop_reason for t in store.turns("p1")] == ["interrupted"]
+    finally:
+        uv.should_exit = True
+        time.sleep(0.3)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
