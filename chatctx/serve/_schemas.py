@@ -65,6 +65,21 @@ class TextPart(_Strict):
     text: str
 
 
+def _check_storable(text: str, what: str) -> None:
+    """Text every store keeps as it is: PostgreSQL refuses U+0000, and a lone surrogate
+    (valid in JSON) is no UTF-8 at all."""
+    if "\x00" in text:
+        raise PydanticCustomError(
+            "invalid_text", "{what} may not contain the NUL character (U+0000)", {"what": what}
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError(
+            "invalid_text", "{what} is not valid Unicode (a lone surrogate)", {"what": what}
+        ) from None
+
+
 class ChatMessage(_Strict):
     """One message of a request (``developer`` is taken as ``system``)."""
 
@@ -96,20 +111,16 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _storable(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
-        """Text every store keeps as it is: PostgreSQL refuses U+0000, and a lone surrogate
-        (valid in JSON) is no UTF-8 at all."""
         texts = [value] if isinstance(value, str) else [p.text for p in value or ()]
         for text in texts:
-            if "\x00" in text:
-                raise PydanticCustomError(
-                    "invalid_text", "message text may not contain the NUL character (U+0000)"
-                )
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise PydanticCustomError(
-                    "invalid_text", "message text is not valid Unicode (a lone surrogate)"
-                ) from None
+            _check_storable(text, "message text")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _storable_name(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_storable(value, "a message's name")
         return value
 
     @property
