@@ -162,7 +162,9 @@ class TurnClaim:
     def _renew(self) -> None:
         while not self._released.wait(self.ttl_s / 3):
             try:
-                if not self.store.claim_turn(self.conversation_id, self.owner, self.ttl_s):
+                if not self.store.renew_turn(self.conversation_id, self.owner, self.ttl_s):
+                    if self._released.is_set():  # let go while this renewal was on its way
+                        return
                     logger.warning(
                         "the turn claim of %s ran out and another turn took it",
                         self.conversation_id,

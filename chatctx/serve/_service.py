@@ -326,7 +326,7 @@ class Service:
             while True:
                 await asyncio.sleep(CLAIM_TTL_S / 3)
                 try:
-                    await asyncio.to_thread(store.claim_turn, stored_id, self.owner, CLAIM_TTL_S)
+                    await asyncio.to_thread(store.renew_turn, stored_id, self.owner, CLAIM_TTL_S)
                 except ChatctxError as exc:  # the next try may get through; the turn goes on
                     logger.warning("renewing the turn claim of %s failed: %s", stored_id, exc)
 

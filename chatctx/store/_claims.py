@@ -56,6 +56,24 @@ class TurnClaimStore:
             return taken is not None
 
     @_retry_busy
+    def renew_turn(self, conversation_id: str, owner: str, ttl_s: float) -> bool:
+        """Extend ``owner``'s claim to ``ttl_s`` seconds from now; False when ``owner`` no
+        longer holds it. Never claims anew: a renewal that lands after the turn let its
+        claim go leaves the conversation free."""
+        with self._session(write=True) as session:
+            until = _now(session) + timedelta(seconds=ttl_s)
+            renewed = session.execute(
+                update(TurnClaimRow)
+                .where(
+                    TurnClaimRow.conversation_id == conversation_id,
+                    TurnClaimRow.owner == owner,
+                )
+                .values(expires_at=until)
+                .returning(TurnClaimRow.conversation_id)
+            ).first()
+            return renewed is not None
+
+    @_retry_busy
     def take_over_turn(
         self, conversation_id: str, owner: str, from_owner: str, ttl_s: float
     ) -> bool:

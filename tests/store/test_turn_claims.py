@@ -8,11 +8,14 @@ PostgreSQL against the database's, with this process's clock moved an hour).
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
+from chatctx._turn_claim import TurnClaim, new_owner, try_claim
 from chatctx.store import Store
 from chatctx.store import _claims as claims_module
 
@@ -36,6 +39,48 @@ def test_one_owner_at_a_time_until_it_lets_go_or_expires(db_url: str) -> None:
         store.release_turn("c", "b")  # b, back too late, cannot free what a holds now
         assert (store.turn_claim("c") or ("",))[0] == "a"
         assert store.claim_turn("other", "b", 30)  # conversations are claimed apart
+
+
+def test_a_renewal_extends_only_a_claim_its_owner_still_holds(db_url: str) -> None:
+    with Store(db_url) as store:
+        assert not store.renew_turn("c", "a", 30)  # nothing to renew: nothing is claimed
+        assert store.turn_claim("c") is None
+        assert store.claim_turn("c", "a", 0.5)
+        before = (store.turn_claim("c") or ("", None))[1]
+        assert store.renew_turn("c", "a", 30) and not store.renew_turn("c", "b", 30)
+        owner, after = store.turn_claim("c") or ("", None)
+        assert owner == "a" and before is not None and after is not None
+        assert after - before > timedelta(seconds=20)
+        store.release_turn("c", "a")
+        assert not store.renew_turn("c", "a", 30)  # landed after the release: still free
+        assert store.turn_claim("c") is None
+
+
+def test_a_renewal_on_its_way_when_the_turn_ends_leaves_the_conversation_free(
+    db_url: str,
+) -> None:
+    with Store(db_url) as store:
+        renewing = threading.Event()
+
+        def slow(real: Any) -> Any:
+            def call(*args: Any) -> Any:
+                if threading.current_thread().name == "chatctx-turn-claim":
+                    renewing.set()
+                    time.sleep(0.5)  # a busy database: the statement lands after the release
+                return real(*args)
+
+            return call
+
+        # Whichever statement the renewal uses is the slow one.
+        store.claim_turn = slow(store.claim_turn)  # type: ignore[method-assign]
+        store.renew_turn = slow(store.renew_turn)  # type: ignore[method-assign]
+        claim = TurnClaim(store, "conv", ttl_s=1.5)  # renewed every 0.5 s
+        claim.take(lambda: None)
+        assert renewing.wait(10)
+        claim.release()
+        time.sleep(0.8)
+        assert store.turn_claim("conv") is None
+        assert try_claim(store, "conv", new_owner(), 30)  # the next turn gets in at once
 
 
 def _race(url: str, owner: str, start: float, won: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
