@@ -2,6 +2,7 @@
 
     python bench/memory_cost.py [--budget 1024] [--chats 40] [--simulate llama-server|engine]
         [--no-recall] [--recall-trigger question|any-question|always]
+        [--layout auto|summary-first|append|abridge]
         [--probes bench/facts/final_probes.jsonl.gz]
 
 Dry replays (no model) of the probe set's chats through the simulated cache of the engine or
@@ -35,6 +36,9 @@ def main() -> None:
     parser.add_argument("--simulate", choices=["engine", "llama-server"], default="llama-server")
     parser.add_argument("--no-recall", action="store_true")
     parser.add_argument(
+        "--layout", choices=["auto", "summary-first", "append", "abridge"], default="auto"
+    )
+    parser.add_argument(
         "--recall-trigger", choices=["question", "any-question", "always"], default="question"
     )
     parser.add_argument("--probes", type=Path, default=rb.HERE / "facts" / "final_probes.jsonl.gz")
@@ -60,6 +64,7 @@ def main() -> None:
         reserve=RESERVE,
         recall=not args.no_recall,
         recall_trigger=args.recall_trigger,
+        layout=args.layout,
     )
     for c in conversations[: args.chats]:
         turns: list[Any] = []
@@ -99,7 +104,8 @@ def main() -> None:
             totals[f"excess: {label}"] += turn.evaluated_tokens - turn.new_tokens
     new, evaluated, recalled = totals["new"], totals["evaluated"], totals["recalled"]
     print(
-        f"{args.chats} chats, budget {args.budget}, {args.simulate} cache, recall "
+        f"{args.chats} chats, budget {args.budget}, {args.simulate} cache, layout "
+        f"{args.layout}, recall "
         f"{'off' if args.no_recall else 'on'}: evaluated {evaluated:,}, new {new:,}, recalled "
         f"{recalled:,}; amplification {evaluated / new:.2f}, recalled as new "
         f"{evaluated / (new + recalled):.2f}; fact retention {totals['retained']}/"

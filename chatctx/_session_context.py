@@ -19,6 +19,7 @@ from chatctx.context import (
     BuildResult,
     ContextBuilder,
     ContextState,
+    Cut,
     LLMSummarizer,
     MeaningSearch,
     RecallSearch,
@@ -229,6 +230,9 @@ class SessionContext:
             summary_tokens=stored.summary.token_count or 0 if stored.summary else 0,
             pending_ids=stored.pending_ids,
             summary_blocks=stored.summary.blocks if stored.summary else (),
+            abridged=tuple(Cut.from_row(c) for c in stored.summary.abridged)
+            if stored.summary
+            else (),
         )
         history = self.store.messages(self.conversation_id, from_position=state.window_start)
         budget, reserve = self._budget(context, generation)

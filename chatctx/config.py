@@ -62,15 +62,17 @@ class ContextSettings(_Model):
         description="shift: remove evicted turns from the KV cache in place and move the kept "
         "ones back (no re-prefill); recompute: re-evaluate everything after the first change.",
     )
-    layout: Literal["auto", "summary-first", "append"] = Field(
+    layout: Literal["auto", "summary-first", "append", "abridge"] = Field(
         "auto",
         description="Where the running summary goes. summary-first: one section after the "
         "system prompt (the in-process engine moves the kept turns behind a changed summary "
         "without re-evaluating them); append: each addition to the summary is sent where it "
         "was written, after the turns kept then, so a prompt only ever loses whole spans and "
         "grows at its end, which llama-server's cache reuse keeps (it cannot keep what "
-        "follows inserted text); auto: summary-first when the backend edits its cache in "
-        "place, else append.",
+        "follows inserted text); abridge (extractive summarizer only): no summary text at "
+        "all, each evicted message that said one of its items stays in its place cut down to "
+        "those sentences, so a prompt only ever loses text; auto: summary-first when the "
+        "backend edits its cache in place, else append.",
     )
     summarizer: Literal["extractive", "llm", "none"] = Field(
         "extractive", description="What folds evicted turns into the running summary."

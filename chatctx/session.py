@@ -533,6 +533,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
                     new_summary=new_summary,
                     expected_version=prepared.state_version,
                     summary_blocks=built.state.summary_blocks,
+                    abridged=[cut.to_row() for cut in built.state.abridged],
                 )
             except ContextStateConflict:
                 if attempt == STATE_ATTEMPTS:

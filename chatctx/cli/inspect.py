@@ -98,6 +98,11 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
             if len(parts) > 1
             else ""
         )
+        if state.summary.abridged:
+            where = (
+                f", sent as {len(state.summary.abridged)} evicted messages cut down in the "
+                "abridge layout"
+            )
         console.print(
             f"\n[bold]summary[/bold] (version {len(summaries)}, "
             f"{state.summary.token_count} tokens{where}):\n{state.summary.content}"

@@ -61,11 +61,12 @@ def context_options(func: F) -> F:
         ),
         click.option(
             "--layout",
-            type=click.Choice(["auto", "summary-first", "append"]),
+            type=click.Choice(["auto", "summary-first", "append", "abridge"]),
             default="auto",
             show_default=True,
-            help="Where the running summary goes: up front, or appended where each part was "
-            "written (what llama-server's cache reuse keeps); auto: as the backend keeps best.",
+            help="Where the running summary goes: up front, appended where each part was "
+            "written (what llama-server's cache reuse keeps), or abridge: evicted messages kept "
+            "in place, cut to the summary's sentences; auto: as the backend keeps best.",
         ),
         click.option(
             "--low",

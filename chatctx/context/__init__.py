@@ -1,5 +1,6 @@
 """Context building: exact budgets, whole-turn eviction, running summaries, plans."""
 
+from chatctx.context._abridge import Cut
 from chatctx.context._background import BackgroundSummarizer
 from chatctx.context._builder import (
     BuildResult,
@@ -32,6 +33,7 @@ __all__ = [
     "ContextBuilder",
     "ContextPlan",
     "ContextState",
+    "Cut",
     "ExtractiveSummarizer",
     "LLMSummarizer",
     "MeaningSearch",

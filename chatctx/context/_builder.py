@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from chatctx.backend import Codec, RenderedPrompt
 from chatctx.config import ContextSettings
+from chatctx.context._abridge import CUT_ROOM, Cut, Cutter, abridge
 from chatctx.context._layout import SUMMARY_HEADER, Block, next_blocks, render
 from chatctx.context._recall import (
     RECALL_HEADER,
@@ -31,7 +32,8 @@ from chatctx.context._recall import (
     snippet,
 )
 from chatctx.context._turns import group_turns, id_ranges
-from chatctx.context.summarizers import Summarizer
+from chatctx.context.summarizers import ExtractiveSummarizer, Summarizer, summary_limit
+from chatctx.engine._kv import SERVER_MIN_CHUNK
 from chatctx.errors import ConfigError, ContextBudgetError
 from chatctx.store import Message
 
@@ -39,6 +41,10 @@ logger = logging.getLogger("chatctx.context")
 
 TRUNCATION_MARKER = "\n[... {n} characters removed to fit the context ...]\n"
 _ANCHOR = {"role": "system", "content": "."}
+LAYOUTS = ("summary-first", "append", "abridge")
+# The shortest cached run the abridge layout cuts for: llama-server's walk with chatctx's
+# n_cache_reuse (``LlamaServerBackend.cache_reuse``).
+ABRIDGE_MIN_CHUNK = SERVER_MIN_CHUNK
 MAX_PENDING = 2000
 
 
@@ -61,6 +67,8 @@ class ContextState:
     # Where each part of the summary is sent in the append layout (see ``_layout``); empty:
     # all of it up front.
     summary_blocks: tuple[Block, ...] = ()
+    # The abridge layout: what of each evicted message is sent in its place (see ``_abridge``).
+    abridged: tuple[Cut, ...] = ()
 
 
 @dataclass(slots=True)
@@ -142,21 +150,33 @@ class ContextBuilder:
         recall: RecallSearch | None = None,
         clock: Callable[[], float] = time.perf_counter,
         layout: str | None = None,
+        min_chunk: int = ABRIDGE_MIN_CHUNK,
     ) -> None:
         """``lookup`` re-reads messages by id: those evicted earlier while summarizing failed
         are retried at the next eviction (the store's ``messages_by_ids``). ``recall`` searches
         the conversation's evicted messages (the store's ``search_messages``); without it
         nothing is recalled. ``clock`` times summaries against ``summary_timeout_s``.
         ``layout`` overrides ``settings.layout`` (a session resolves "auto" for its backend;
-        "auto" here means summary-first)."""
+        "auto" here means summary-first). ``min_chunk``: the shortest cached run the backend's
+        cache reuses, which the abridge layout cuts messages for."""
         self.codec = codec
         self.lookup = lookup
         self.recall = recall
         self.settings = settings or ContextSettings()
         chosen = layout or self.settings.layout
-        if chosen not in ("auto", "summary-first", "append"):
-            raise ConfigError(f"layout must be summary-first or append, not {chosen!r}")
-        self.layout = "append" if chosen == "append" else "summary-first"
+        if chosen not in ("auto", *LAYOUTS):
+            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, not {chosen!r}")
+        self.layout = chosen if chosen != "auto" else "summary-first"
+        if self.layout == "abridge":
+            if summarizer is not None and not isinstance(summarizer, ExtractiveSummarizer):
+                raise ConfigError(
+                    "the abridge layout keeps the sentences of the extractive summary's items; "
+                    f"it cannot with {type(summarizer).__name__}: use layout append"
+                )
+            if lookup is None:
+                raise ConfigError("the abridge layout re-reads evicted messages: give a lookup")
+        self._cutter = Cutter(self._message_tokens, min_chunk)
+        self._evicted: dict[int, Message] = {}  # evicted messages read back, by id
         self.summarizer = summarizer
         self.cache = cache
         self._counts: dict[int, int] = {}
@@ -256,7 +276,11 @@ class ContextBuilder:
         ) -> list[dict[str, Any]]:
             out = list(head)
             kinds[:] = ["system"] * len(head)
-            parts = render(summary, blocks, self.layout)
+            if self.layout == "abridge":
+                for cut, m in self._cut_pairs(abridged) if summary else ():
+                    out.append({"role": m.role, "content": cut.text(m.content)})
+                    kinds.append("summary")
+            parts = render(summary, blocks, self.layout) if self.layout != "abridge" else []
             for turn in kept:
                 for m in turn:
                     while parts and parts[0][0] < m.position:
@@ -277,6 +301,7 @@ class ContextBuilder:
         summary = state.summary
         summary_tokens = state.summary_tokens
         blocks = state.summary_blocks
+        abridged = state.abridged
         total = self.count_messages(assemble(summary, turns, new))
         plan = ContextPlan(
             policy=s.policy,
@@ -293,15 +318,17 @@ class ContextBuilder:
         ready = getattr(self.summarizer, "ready", None)
         if pending and callable(ready) and ready():
             # A summary written in the background is done: it takes effect on this turn.
-            summary, summary_tokens, pending = self._summarize(plan, state, [], pending)
+            summary, summary_tokens, pending, folded = self._summarize(plan, state, [], pending)
             if summary != state.summary:
                 blocks = next_blocks(state.summary, blocks, summary, after)
+                abridged = self._abridge(summary, abridged, folded, plan, budget)
             state = replace(
                 state,
                 summary=summary,
                 summary_tokens=summary_tokens,
                 pending_ids=tuple(pending),
                 summary_blocks=blocks,
+                abridged=abridged,
             )
             total = self.count_messages(assemble(summary, turns, new))
             plan.prompt_tokens = total
@@ -338,9 +365,12 @@ class ContextBuilder:
                 excess -= costs.pop(0)
                 evicted += turns.pop(0)
             plan.evicted_ids = [m.id for m in evicted]
-            summary, summary_tokens, pending = self._summarize(plan, state, evicted, pending)
+            summary, summary_tokens, pending, folded = self._summarize(
+                plan, state, evicted, pending
+            )
             if summary != state.summary:
                 blocks = next_blocks(state.summary, blocks, summary, after)
+                abridged = self._abridge(summary, abridged, folded, plan, budget)
             total = self.count_messages(assemble(summary, turns, new))
             while total > budget and turns:  # the summary grew more than expected
                 late = turns.pop(0)
@@ -413,6 +443,7 @@ class ContextBuilder:
             summary_tokens=summary_tokens,
             pending_ids=tuple(pending),
             summary_blocks=blocks if summary else (),
+            abridged=abridged if summary else (),
         )
         return BuildResult(
             plan=plan,
@@ -513,8 +544,9 @@ class ContextBuilder:
 
     def _summarize(
         self, plan: ContextPlan, state: ContextState, evicted: list[Message], pending: list[int]
-    ) -> tuple[str | None, int, list[int]]:
-        """Fold what waits into the summary: (summary, its tokens, ids still waiting).
+    ) -> tuple[str | None, int, list[int], list[Message]]:
+        """Fold what waits into the summary: (summary, its tokens, ids still waiting, the
+        messages folded in).
 
         One deadline (``summary_timeout_s``) covers the whole fold. A summarizer with a
         ``fold`` method (the LLM one) stops at the deadline and keeps what it finished: the
@@ -523,10 +555,10 @@ class ContextBuilder:
         """
         if not self._summarizing():
             plan.drop([m.id for m in evicted], "no summarizer")
-            return state.summary, state.summary_tokens, []
+            return state.summary, state.summary_tokens, [], []
         assert self.summarizer is not None
         if not evicted and not pending:
-            return state.summary, state.summary_tokens, pending
+            return state.summary, state.summary_tokens, pending, []
         # Messages evicted earlier while summarizing failed are retried with the new ones.
         earlier: list[Message] = []
         if pending:
@@ -553,7 +585,7 @@ class ContextBuilder:
             plan.summary_ms = (self._clock() - t0) * 1000
             plan.summary_error = f"{type(exc).__name__}: {exc}"
             logger.warning("summary not updated, the previous one stays: %s", plan.summary_error)
-            return state.summary, state.summary_tokens, [m.id for m in todo]
+            return state.summary, state.summary_tokens, [m.id for m in todo], []
         elapsed = self._clock() - t0
         plan.summary_ms = elapsed * 1000
         if elapsed > timeout and stopped is None:
@@ -569,13 +601,63 @@ class ContextBuilder:
             )
         plan.summarized_ids += [m.id for m in todo if m.id in covered]
         # "Nothing new to add" is a result: the previous summary (or none) stays.
+        folded = [m for m in todo if m.id in covered]
         if not text or text == state.summary:
-            return state.summary, state.summary_tokens, left
+            return state.summary, state.summary_tokens, left, folded
         plan.summary_changed = True
         tokens = self.count_messages(
             [{"role": "system", "content": SUMMARY_HEADER + text}], add_generation_prompt=False
         )
-        return text, tokens, left
+        return text, tokens, left, folded
+
+    def _abridge(
+        self,
+        summary: str | None,
+        cuts: Sequence[Cut],
+        folded: Sequence[Message],
+        plan: ContextPlan,
+        budget: int,
+    ) -> tuple[Cut, ...]:
+        """The abridge layout's cuts for a changed summary: of the messages cut so far and
+        those folded into it that this prompt evicts. One evicted earlier (folded late, after
+        a failed or pending summary) is no longer in the cache: sent again, it would be text
+        inserted in front of cached runs, so only the summary keeps what it said."""
+        if self.layout != "abridge":
+            return ()
+        now = set(plan.evicted_ids)
+        for m in folded:
+            self._evicted[m.id] = m
+        known = {c.message_id for c in cuts}
+        messages = [m for _, m in self._cut_pairs(cuts)]
+        messages += [m for m in folded if m.id not in known and m.id in now]
+        messages.sort(key=lambda m: m.position)
+        return abridge(
+            summary,
+            messages,
+            self._cutter,
+            previous=cuts,
+            cost=lambda m, text: self._delta({"role": m.role, "content": text}),
+            # As the summary: at most 60% of the budget, so that evicting still frees room.
+            limit=min(
+                int(summary_limit(self.settings.summary_max_tokens, budget) * CUT_ROOM),
+                budget * 3 // 5,
+            ),
+        )
+
+    def _cut_pairs(self, cuts: Sequence[Cut]) -> list[tuple[Cut, Message]]:
+        """Each cut with the evicted message it is of (read back once; one deleted since
+        is left out)."""
+        missing = [c.message_id for c in cuts if c.message_id not in self._evicted]
+        if missing and self.lookup is not None:
+            for m in self.lookup(missing):
+                self._evicted[m.id] = m
+        return [(c, self._evicted[c.message_id]) for c in cuts if c.message_id in self._evicted]
+
+    def _message_tokens(self, role: str, content: str) -> list[int]:
+        """The tokens one message adds to a prompt (after a fixed system message)."""
+        base = self._encode([_ANCHOR], add_generation_prompt=False)
+        message = {"role": role, "content": content}
+        return self._encode([_ANCHOR, message], add_generation_prompt=False)[len(base) :]
 
     def _oversized(
         self,

@@ -24,7 +24,14 @@ from chatctx.context._facts import (
 from chatctx.errors import ChatctxError
 from chatctx.store import Message
 
-__all__ = ["ExtractiveSummarizer", "LLMSummarizer", "Summarizer", "SummaryError"]
+__all__ = [
+    "ExtractiveSummarizer",
+    "LLMSummarizer",
+    "Summarizer",
+    "SummaryError",
+    "parse_summary",
+    "summary_limit",
+]
 
 
 class SummaryError(ChatctxError):
@@ -100,7 +107,7 @@ def _render(facts: Sequence[str], items: Sequence[_Item]) -> str:
     return "\n".join(lines)
 
 
-def _parse(summary: str) -> tuple[list[str], list[tuple[str, str]]]:
+def parse_summary(summary: str) -> tuple[list[str], list[tuple[str, str]]]:
     """The facts and the (label, text) items of a summary this class wrote."""
     facts: dict[str, None] = {}
     items: list[tuple[str, str]] = []
@@ -150,7 +157,7 @@ class ExtractiveSummarizer:
         previous = (previous or "").strip()
         known = fact_set(previous)
         covered = set(known)  # identifiers in the summary or in a line already taken
-        seen = {line_key(text) for _, text in _parse(previous)[1]}
+        seen = {line_key(text) for _, text in parse_summary(previous)[1]}
         facts: dict[str, None] = {}  # ordered set: first seen first
         candidates: list[_Item] = []
         for message in messages:
@@ -207,7 +214,7 @@ class ExtractiveSummarizer:
 
     def _compact(self, previous: str, new_facts: list[str], candidates: list[_Item]) -> str:
         target = max(16, int(self.max_tokens * self.compact_to))
-        old_facts, old_items = _parse(previous)
+        old_facts, old_items = parse_summary(previous)
         facts = list(dict.fromkeys(old_facts + new_facts))
         items: list[_Item] = [
             (_item_score(text, label), order, label, text)

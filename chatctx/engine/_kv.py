@@ -21,9 +21,21 @@ from dataclasses import dataclass
 
 from chatctx.backend import KVReport
 
-__all__ = ["KVReport", "ReusePlan", "common_prefix", "plan_in_order", "plan_reuse"]
+__all__ = [
+    "MIN_CHUNK",
+    "SERVER_MIN_CHUNK",
+    "KVReport",
+    "ReusePlan",
+    "common_prefix",
+    "plan_in_order",
+    "plan_reuse",
+]
 
 MIN_CHUNK = 16  # smaller reusable spans are not worth a shift
+# llama-server's walk with chatctx's n_cache_reuse: the abridge layout keeps runs as short as
+# a message's header and a clause, which the walk must find (bench/README.md, the abridge
+# layout).
+SERVER_MIN_CHUNK = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ from chatctx.config import GenerationSettings
 from chatctx.engine._codec import PROBES
 from chatctx.engine._embedder import local_embedder
 from chatctx.engine._gguf import model_facts, read_metadata
-from chatctx.engine._kv import MIN_CHUNK, plan_in_order
+from chatctx.engine._kv import SERVER_MIN_CHUNK, plan_in_order
 from chatctx.engine._models import resolve_model_path
 from chatctx.engine._slots import PooledLeases, SlotPool
 from chatctx.errors import (
@@ -119,7 +119,7 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
         name: str | None = None,
         chat_template: str | None = None,
         chat_format: str | None = None,
-        cache_reuse: int = MIN_CHUNK,
+        cache_reuse: int = SERVER_MIN_CHUNK,
         swap: bool = False,
         swap_disk_mb: float = 4096.0,
     ) -> None:

@@ -34,7 +34,7 @@ from chatctx.backend import (
 )
 from chatctx.config import GenerationSettings
 from chatctx.engine._embedder import local_embedder
-from chatctx.engine._kv import MIN_CHUNK, plan_in_order, plan_reuse
+from chatctx.engine._kv import SERVER_MIN_CHUNK, plan_in_order, plan_reuse
 from chatctx.engine._memory import pad256
 from chatctx.engine._slots import PooledLeases, SlotPool
 from chatctx.engine._swap import SwapHit
@@ -243,7 +243,7 @@ class DryBackend(PooledLeases, Closeable):
             if self._cache_edits == "in-place":
                 plan = plan_reuse(mirror, prompt, history_start=history_start)
             else:  # what llama-server keeps, with chatctx's n_cache_reuse or without
-                chunk = MIN_CHUNK if self._cache_edits == "deletions" else 0
+                chunk = SERVER_MIN_CHUNK if self._cache_edits == "deletions" else 0
                 plan = plan_in_order(mirror, prompt, min_chunk=chunk)
             if plan.chunks and eviction == "shift":
                 reused = plan.prefix + plan.chunk_len

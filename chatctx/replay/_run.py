@@ -44,7 +44,7 @@ class ReplayConfig(_Model):
     high: float = Field(1.0, gt=0, le=1, description="High watermark (share of budget).")
     low: float = Field(0.6, gt=0, le=1, description="Low watermark (share of budget).")
     eviction: Literal["shift", "recompute"] = Field("shift", description="KV eviction policy.")
-    layout: Literal["auto", "summary-first", "append"] = Field(
+    layout: Literal["auto", "summary-first", "append", "abridge"] = Field(
         "auto", description="Where the summary goes (auto: as the backend's cache keeps best)."
     )
     simulate: Literal["engine", "llama-server"] = Field(

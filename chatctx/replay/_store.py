@@ -234,6 +234,7 @@ class ReplayStore(Store):
         new_summary: tuple[str, Sequence[int], int, str] | None = None,
         expected_version: int | None = None,
         summary_blocks: Sequence[tuple[int, int]] = (),
+        abridged: Sequence[Sequence[int]] = (),
     ) -> StoredContextState:
         state = super().save_context_state(
             conversation_id,
@@ -242,6 +243,7 @@ class ReplayStore(Store):
             new_summary=new_summary,
             expected_version=expected_version,
             summary_blocks=summary_blocks,
+            abridged=abridged,
         )
         with self._lock:
             self._states[conversation_id] = state

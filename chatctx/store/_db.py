@@ -68,6 +68,7 @@ def _summary(row: SummaryRow) -> Summary:
         tokenizer=row.tokenizer,
         created_at=row.created_at,
         blocks=tuple((int(start), int(after)) for start, after in row.blocks or ()),
+        abridged=tuple(tuple(int(x) for x in cut) for cut in row.abridged or ()),
     )
 
 
@@ -501,11 +502,13 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
         new_summary: tuple[str, Sequence[int], int, str] | None = None,
         expected_version: int | None = None,
         summary_blocks: Sequence[tuple[int, int]] = (),
+        abridged: Sequence[Sequence[int]] = (),
     ) -> StoredContextState:
         """Persist the window start and, when it changed, a new summary version.
 
         ``new_summary`` is (content, newly covered message ids, token count, tokenizer);
-        ``summary_blocks`` where its parts are sent in the append layout.
+        ``summary_blocks`` where its parts are sent in the append layout, ``abridged`` what of
+        each evicted message the abridge layout sends.
         Both are written in one transaction. Each save adds one to the state's ``version``;
         with ``expected_version`` (the version read by ``context_state``) it is a
         compare-and-set: when another writer saved in between, nothing is written and
@@ -547,6 +550,7 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
                     token_count=tokens,
                     tokenizer=tokenizer,
                     blocks=[[start, after] for start, after in summary_blocks] or None,
+                    abridged=[[int(x) for x in cut] for cut in abridged] or None,
                 )
                 session.add(summary_row)
                 session.flush()

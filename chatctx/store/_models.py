@@ -139,6 +139,9 @@ class SummaryRow(Base):
     # [[first character, message position it follows], ...]: where each part is sent in the
     # append layout (chatctx.context._layout); NULL: all of it up front.
     blocks: Mapped[list[list[int]] | None] = mapped_column(JSON)
+    # [[message id, items it says, start, end, start, end, ...], ...]: what of each evicted
+    # message the abridge layout sends (chatctx.context._abridge); NULL: none.
+    abridged: Mapped[list[list[int]] | None] = mapped_column(JSON)
 
 
 class TurnRow(Base):

@@ -112,6 +112,9 @@ class Summary:
     created_at: datetime | None
     # (first character, message position it follows) of each part in the append layout
     blocks: tuple[tuple[int, int], ...] = ()
+    # (message id, items it says, start, end, ...) of each evicted message the abridge
+    # layout sends, cut to those spans of its content
+    abridged: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,8 @@ from tests.walk import kept_in, server_walk
 from .strategies import text
 
 SYSTEM = "You are the support assistant. Never ask for card numbers."
-CHUNK = 16  # the n_cache_reuse LlamaServerBackend sends
+CHUNK = 16  # an n_cache_reuse the append layout holds up under
+ABRIDGE_CHUNK = 4  # the n_cache_reuse LlamaServerBackend sends
 
 
 def is_summary(message: dict[str, Any]) -> bool:
@@ -70,7 +71,12 @@ def recent_search(history: list[Message]):
 
 def user_text(turn: int, size: int) -> str:
     # A new identifier every few turns: most evictions have something to add to the summary.
+    # Some in the middle of the message, where the abridge layout cuts around them.
     fact = f"My ticket is TK-{turn:04d}{size % 10}. " if turn % 3 == 0 else ""
+    if turn % 4 == 1:
+        return (
+            f"{CHAT[turn % len(CHAT)]} My dog is called Rex{turn}. {CHAT[(turn + 1) % len(CHAT)]}"
+        )
     return fact + " ".join(CHAT[(turn + i) % len(CHAT)] for i in range(size // 12 + 1))
 
 
@@ -107,6 +113,8 @@ def converse(
         summarizer=ExtractiveSummarizer(codec.count, max_tokens=max_summary),
         recall=recent_search(history) if recall else None,
         layout=layout,
+        lookup=lambda ids: [m for m in history if m.id in set(ids)],
+        min_chunk=CHUNK if layout != "abridge" else ABRIDGE_CHUNK,
     )
     state = ContextState()
     cached: list[int] = []
@@ -282,3 +290,61 @@ def test_plan_in_order_matches_the_server_walk() -> None:
     tail = [*range(10), *range(40, 100)]
     walked = plan_in_order(cached, tail, min_chunk=16)
     assert walked.prefix + walked.chunk_len == len(tail) - 1 == server_walk(cached, tail, 16)
+
+
+def _cut_of(content: str, original: str) -> bool:
+    """``content`` is ``original`` with text left out (its characters, in order)."""
+    rest = iter(original)
+    return len(content) < len(original) and all(ch in rest for ch in content)
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    turns=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 120)), min_size=2, max_size=30),
+    budget=st.integers(320, 900),
+    recall=st.booleans(),
+    low=st.floats(0.3, 0.8),
+)
+def test_abridge_layout_only_deletes_text(
+    llama3_codec: TiktokenCodec,
+    turns: list[tuple[int, int]],
+    budget: int,
+    recall: bool,
+    low: float,
+) -> None:
+    codec = llama3_codec
+    previous: list[dict[str, Any]] | None = None
+    omitted = False
+    for result, cached, history in converse(
+        codec, "abridge", turns, budget, recall=recall, max_summary=budget // 3, low=low
+    ):
+        plan = result.plan
+        assert plan.layout == "abridge" and not any(is_summary(m) for m in result.messages)
+        assert len(codec.prompt_tokens(result.messages)) == plan.prompt_tokens <= budget
+        if previous is None or omitted:
+            # (A prompt with no room for the summary left the cuts out: they come back.)
+            previous, omitted = result.messages, plan.summary_omitted
+            continue
+        omitted = plan.summary_omitted
+        said = [m.to_openai() for m in history]
+        before = [m for m in [*previous, said[-1]] if not is_recall(m)]
+        # Each message is one the cache held, or one of the history cut down, up to the end.
+        old = [
+            m in before
+            or any(m["role"] == h["role"] and _cut_of(m["content"], h["content"]) for h in said)
+            for m in result.messages[:-1]
+        ]
+        k = len(old)
+        while k > 0 and not old[k - 1]:
+            k -= 1
+        assert all(old[:k])
+        tail = len(result.tokens) - len(
+            codec.prompt_tokens(result.messages[:k], add_generation_prompt=False)
+        )
+        # Token level, with llama-server's walk written apart (the oracle): all of it kept.
+        assert server_walk(cached, result.tokens, ABRIDGE_CHUNK) >= len(result.tokens) - tail - 1
+        previous = result.messages

@@ -156,3 +156,51 @@ def test_replay_cli_on_a_llama_server(
         assert [t["evaluated_tokens"] for t in json.loads(dry.output)["turns"]] == evaluated
     finally:
         server.stop()
+
+
+def _cut_of(content: str, original: str) -> bool:
+    """``content`` is ``original`` with text left out (its characters, in order)."""
+    rest = iter(original)
+    return len(content) < len(original) and all(ch in rest for ch in content)
+
+
+def test_an_eviction_costs_only_what_is_new_in_the_abridge_layout(
+    backend: LlamaServerBackend, server: LlamaServerProcess, db_url: str
+) -> None:
+    codec = backend.codec()
+    before_total = metric(server.url, "llamacpp:prompt_tokens_total")
+    turns = run(backend, db_url, "abridge", "abridge")
+    evaluated = [t["reply"].usage.evaluated_tokens for t in turns]
+    assert metric(server.url, "llamacpp:prompt_tokens_total") - before_total == sum(evaluated)
+    assert turns[0]["plan"].layout == "abridge"
+    said: list[dict[str, Any]] = []  # every message any prompt held, and the replies
+    cuts = 0
+    for previous, turn in itertools.pairwise(turns):
+        reply = {"role": "assistant", "content": previous["reply"].text}
+        said += [
+            m for m in [*previous["messages"], reply] if not m["content"].startswith(RECALL_HEADER)
+        ]
+        before = [
+            m for m in [*previous["messages"], reply] if not m["content"].startswith(RECALL_HEADER)
+        ]
+        # Each message of the prompt is one the slot held, or one it held cut down.
+        old = [
+            m in before
+            or any(m["role"] == b["role"] and _cut_of(m["content"], b["content"]) for b in said)
+            for m in turn["messages"]
+        ]
+        cuts += sum(m not in said for m, o in zip(turn["messages"], old, strict=True) if o)
+        k = len(old)
+        while k > 0 and not old[k - 1]:
+            k -= 1
+        assert all(old[:k]), turn["messages"]  # nothing new before the end
+        tail = len(turn["tokens"]) - len(
+            codec.prompt_tokens(turn["messages"][:k], add_generation_prompt=False)
+        )
+        # The server evaluated the new end only (and what closes the previous reply): the
+        # messages cut down cost it nothing.
+        assert turn["reply"].usage.evaluated_tokens <= tail + 3, (turn["plan"].reason, tail)
+    assert cuts >= 1 and sum(t["plan"].evicted for t in turns) >= 3, cuts
+    # The order number, evicted long before, is still in the prompt that asks for it.
+    asks = next(t for t in turns if t["messages"][-1]["content"].startswith("Remind me"))
+    assert any("48213" in m["content"] for m in asks["messages"][:-1])

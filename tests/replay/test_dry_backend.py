@@ -180,14 +180,14 @@ def test_append_layout_survives_a_restart(tiny_llama3_path: Path, tmp_path: Path
                 tail = len(built.tokens) - len(
                     codec.prompt_tokens(built.messages[:k], add_generation_prompt=False)
                 )
-                # llama-server's walk of the cache, and what it may leave: the new end and
-                # kept runs under its 16-token chunk
-                walked = server_walk(cached, built.tokens, 16)
+                # llama-server's walk of the cache (the 4-token chunk LlamaServerBackend
+                # sends), and what it may leave: the new end and kept runs under the chunk
+                walked = server_walk(cached, built.tokens, 4)
                 assert result.usage.evaluated_tokens == len(built.tokens) - walked
                 kept = [j for j in found[:k] if j is not None]
                 spans = 1 + sum(1 for a, b in itertools.pairwise(kept) if b != a + 1)
                 if n:
-                    assert result.usage.evaluated_tokens <= tail + 16 * spans
+                    assert result.usage.evaluated_tokens <= tail + 4 * spans
                 evictions += built.plan.evicted and built.plan.summary_changed
                 prompts.append(list(built.tokens))
                 previous = [dict(m) for m in built.messages]
