@@ -10,7 +10,7 @@ plans, and the same conversation in the summary-first layout.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -137,6 +137,23 @@ def converse(
         )
 
 
+def conversations(examples: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Random conversations (message and reply sizes), budgets, recall on or off, low
+    watermarks."""
+    cases = given(
+        turns=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 120)), min_size=2, max_size=30),
+        budget=st.integers(320, 900),
+        recall=st.booleans(),
+        low=st.floats(0.3, 0.8),
+    )
+    limits = settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    return lambda test: limits(cases(test))
+
+
 def new_tail(codec: TiktokenCodec, result: BuildResult, before: Sequence[dict[str, Any]]) -> int:
     """Tokens of the messages at the end of the prompt that the cache cannot hold: those
     not in the previous prompt and its reply (a new summary block, recall, the message)."""
@@ -147,17 +164,7 @@ def new_tail(codec: TiktokenCodec, result: BuildResult, before: Sequence[dict[st
     return len(result.tokens) - len(codec.prompt_tokens(messages[:k], add_generation_prompt=False))
 
 
-@settings(
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(
-    turns=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 120)), min_size=2, max_size=30),
-    budget=st.integers(320, 900),
-    recall=st.booleans(),
-    low=st.floats(0.3, 0.8),
-)
+@conversations(300)
 def test_append_layout_only_deletes_spans_and_appends(
     llama3_codec: TiktokenCodec,
     turns: list[tuple[int, int]],
@@ -298,17 +305,7 @@ def _cut_of(content: str, original: str) -> bool:
     return len(content) < len(original) and all(ch in rest for ch in content)
 
 
-@settings(
-    max_examples=120,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(
-    turns=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 120)), min_size=2, max_size=30),
-    budget=st.integers(320, 900),
-    recall=st.booleans(),
-    low=st.floats(0.3, 0.8),
-)
+@conversations(120)
 def test_abridge_layout_only_deletes_text(
     llama3_codec: TiktokenCodec,
     turns: list[tuple[int, int]],
