@@ -34,16 +34,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from chatctx.context._facts import identifiers
+from chatctx.context._facts import identifiers, sentence_spans
 from chatctx.context.summarizers import parse_summary
 from chatctx.engine._kv import plan_in_order
 from chatctx.store import Message
 
 __all__ = ["CUT_ROOM", "Cut", "Cutter", "abridge", "summary_items"]
 
-# A sentence, a chat line, or the rest of the text, with the whitespace that follows it; a
-# point inside a word or number ("2.1.4", "a.b@example.org") ends nothing.
-_SPAN = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n+|$)[ \t]*")
 _WORD = re.compile(r"[a-z0-9]+")
 _APOSTROPHES = str.maketrans({"\u2019": "", "\u2018": "", "'": ""})
 Span = tuple[int, int]  # (start, end) of message content
@@ -161,10 +158,11 @@ def abridge(
         old = before.get(message.id)
         kept: list[Span] = []
         value = 0
-        for m in _SPAN.finditer(message.content):
-            if old is not None and not any(s <= m.start() and m.end() <= e for s, e in old.spans):
+        # The summarizer's own sentences ("Dr. Patel" is not two), with what follows them.
+        for start, end in sentence_spans(message.content):
+            if old is not None and not any(s <= start and end <= e for s, e in old.spans):
                 continue  # cut away before: it stays away
-            span = m.group(0)
+            span = message.content[start:end]
             words = _words(span)
             said = next((w for w in items if w <= words), None)
             named = [f for f in facts if f in span and f in identifiers(span)]
@@ -174,7 +172,7 @@ def abridge(
                 items.remove(said)
             for fact in named:
                 facts.remove(fact)
-            kept.append(m.span())
+            kept.append((start, end))
             value += (said is not None) + len(named)
         if kept:
             spans = (

@@ -36,6 +36,7 @@ __all__ = [
     "fact_set",
     "identifiers",
     "line_key",
+    "sentence_spans",
     "sentences",
     "specific_words",
     "statement",
@@ -563,6 +564,19 @@ def _pieces(sentence: str) -> list[str]:
             out.append([])
         out[-1].append(word)
     return [" ".join(piece) for piece in out if piece]
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each sentence or chat line of ``text`` as ``sentences`` splits it
+    (abbreviations such as "Dr." end none), with the whitespace that follows it."""
+    spans, start = [], 0
+    for m in _SENTENCE.finditer(text):
+        if m.end() > start:
+            spans.append((start, m.end()))
+            start = m.end()
+    if start < len(text):
+        spans.append((start, len(text)))
+    return spans
 
 
 def sentences(text: str) -> list[str]:

@@ -102,6 +102,22 @@ def test_a_cut_keeps_what_the_walk_can_find(llama3_codec: TiktokenCodec) -> None
     assert Cut.from_row(again.to_row()) == again
 
 
+def test_an_abbreviation_does_not_end_a_sentence(llama3_codec: TiktokenCodec) -> None:
+    message = _message(
+        1,
+        "user",
+        "ugh Dr. Patel forgot my refill again. The weather is grim and the bus was late.",
+    )
+    (cut,) = abridge(
+        "User: ugh Dr. Patel forgot my refill again",
+        [message],
+        _cutter(llama3_codec),
+        cost=lambda m, t: 1,
+        limit=99,
+    )
+    assert cut.text(message.content) == "ugh Dr. Patel forgot my refill again."
+
+
 def test_cuts_past_the_summary_limit_go_least_value_first(llama3_codec: TiktokenCodec) -> None:
     messages = [
         _message(1, "user", "My dog is called Rex."),
