@@ -49,3 +49,9 @@ def kept_in(
         if j is not None:
             at = j + 1
     return out
+
+
+def cut_of(content: str, original: str) -> bool:
+    """``content`` is ``original`` with text left out (its characters, in order)."""
+    rest = iter(original)
+    return len(content) < len(original) and all(ch in rest for ch in content)

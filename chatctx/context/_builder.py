@@ -225,12 +225,13 @@ class ContextBuilder:
     def _delta(self, message: Mapping[str, Any]) -> int:
         # Rendered after a fixed system message, so templates that add a default system
         # prompt or a BOS to the first message do not inflate the count.
+        return self.count_messages([_ANCHOR, message], add_generation_prompt=False) - self._anchor()
+
+    def _anchor(self) -> int:
+        """Tokens of the fixed system message messages are rendered after."""
         if self._anchor_tokens is None:
             self._anchor_tokens = self.count_messages([_ANCHOR], add_generation_prompt=False)
-        return (
-            self.count_messages([_ANCHOR, message], add_generation_prompt=False)
-            - self._anchor_tokens
-        )
+        return self._anchor_tokens
 
     # building -----------------------------------------------------------------------------
 
@@ -655,9 +656,8 @@ class ContextBuilder:
 
     def _message_tokens(self, role: str, content: str) -> list[int]:
         """The tokens one message adds to a prompt (after a fixed system message)."""
-        base = self._encode([_ANCHOR], add_generation_prompt=False)
         message = {"role": role, "content": content}
-        return self._encode([_ANCHOR, message], add_generation_prompt=False)[len(base) :]
+        return self._encode([_ANCHOR, message], add_generation_prompt=False)[self._anchor() :]
 
     def _oversized(
         self,

@@ -31,7 +31,7 @@ from chatctx.context._layout import MAX_BLOCKS, next_blocks, render
 from chatctx.engine._codec import TiktokenCodec
 from chatctx.engine._kv import plan_in_order
 from chatctx.store import Message
-from tests.walk import kept_in, server_walk
+from tests.walk import cut_of, kept_in, server_walk
 
 from .strategies import text
 
@@ -299,12 +299,6 @@ def test_plan_in_order_matches_the_server_walk() -> None:
     assert walked.prefix + walked.chunk_len == len(tail) - 1 == server_walk(cached, tail, 16)
 
 
-def _cut_of(content: str, original: str) -> bool:
-    """``content`` is ``original`` with text left out (its characters, in order)."""
-    rest = iter(original)
-    return len(content) < len(original) and all(ch in rest for ch in content)
-
-
 @conversations(120)
 def test_abridge_layout_only_deletes_text(
     llama3_codec: TiktokenCodec,
@@ -332,7 +326,7 @@ def test_abridge_layout_only_deletes_text(
         # Each message is one the cache held, or one of the history cut down, up to the end.
         old = [
             m in before
-            or any(m["role"] == h["role"] and _cut_of(m["content"], h["content"]) for h in said)
+            or any(m["role"] == h["role"] and cut_of(m["content"], h["content"]) for h in said)
             for m in result.messages[:-1]
         ]
         k = len(old)

@@ -20,7 +20,7 @@ from chatctx.config import ContextSettings, GenerationSettings
 from chatctx.context import RECALL_HEADER
 from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
 from tests.llama_server.conftest import start_server
-from tests.walk import kept_in
+from tests.walk import cut_of, kept_in
 
 pytestmark = pytest.mark.slow
 
@@ -158,12 +158,6 @@ def test_replay_cli_on_a_llama_server(
         server.stop()
 
 
-def _cut_of(content: str, original: str) -> bool:
-    """``content`` is ``original`` with text left out (its characters, in order)."""
-    rest = iter(original)
-    return len(content) < len(original) and all(ch in rest for ch in content)
-
-
 def test_an_eviction_costs_only_what_is_new_in_the_abridge_layout(
     backend: LlamaServerBackend, server: LlamaServerProcess, db_url: str
 ) -> None:
@@ -186,7 +180,7 @@ def test_an_eviction_costs_only_what_is_new_in_the_abridge_layout(
         # Each message of the prompt is one the slot held, or one it held cut down.
         old = [
             m in before
-            or any(m["role"] == b["role"] and _cut_of(m["content"], b["content"]) for b in said)
+            or any(m["role"] == b["role"] and cut_of(m["content"], b["content"]) for b in said)
             for m in turn["messages"]
         ]
         cuts += sum(m not in said for m, o in zip(turn["messages"], old, strict=True) if o)
