@@ -69,12 +69,13 @@ _I = re.IGNORECASE
 _ANCHOR = re.compile(
     r"\b(?:i|i'm|im|i'd|i've|ive|i'll|me|my|mine|myself|we|we're|we've|we'll|our|ours|us)\b"
 )
-# Words before the first person that carry nothing: "oh and", "btw", "haha yeah so".
+# Words before the first person that carry nothing: "oh and", "btw", "haha yeah so"; whole
+# words only ("yesterday" does not start with "yes", nor "Andrew" with "and").
 _LEAD = re.compile(
     r"^(?:(?:oh|and|also|btw|by the way|anyway|anyways|well|haha\w*|lol|lmao|yeah|yea|yes|"
     r"yep|ok|okay|um+|uh+|hmm+|but|plus|oh yeah|actually|fyi|ps|just so you know|honestly|"
     r"tbh|literally|basically|random(?:ly)?|fun fact|true|totally|"
-    r"speaking of which|random but|side note)[\s,.!:;-]*)+",
+    r"speaking of which|random but|side note)\b[\s,.!:;-]*)+",
     _I,
 )
 _TRAIL = re.compile(

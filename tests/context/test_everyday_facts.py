@@ -205,6 +205,22 @@ def test_statements_are_cut_to_the_clause_and_keep_their_words() -> None:
     assert parts[-1].startswith("we just moved to maple drive")
 
 
+@pytest.mark.parametrize(
+    ("said", "kept"),
+    [
+        ("yesterday I adopted a cat named Miso", "yesterday I adopted"),
+        ("Andrew is my brother, he lives in Leeds", "Andrew is my brother"),
+        ("Anyways go on, insurance on my beat-up pickup is more than i expected", "go on,"),
+        ("okay so my dog Biscuit hates the vacuum", "so my dog Biscuit"),
+        ("psychology is my major and I love it", "psychology is my major"),
+    ],
+)
+def test_a_leading_filler_is_cut_only_as_a_whole_word(said: str, kept: str) -> None:
+    # "yes" is not the start of "yesterday", nor "and" of "Andrew": a filler is a word.
+    found = statement(said)
+    assert found is not None and found.text.startswith(kept)
+
+
 def test_stronger_facts_outlive_weaker_ones_when_compacting(llama3_codec: TiktokenCodec) -> None:
     summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=48)
     summary = summarize(None, chat(("user", "I'm allergic to penicillin")))
