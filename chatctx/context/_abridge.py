@@ -14,8 +14,11 @@ Two things make a cut cheap for such a cache, and ``Cutter`` checks both on the 
 - The walk is greedy. The run before a cut message often takes the end-of-turn token, the
   header's first token, even the role along (every message boundary starts alike), and what
   is left of the header must be found with the text that follows it. So a cut keeps the
-  message's start, up to the first sentence worth keeping, then the other sentences worth
-  keeping; else everything up to the last of them; else the whole message.
+  message's first few words (what is left of the header and they make one run long enough
+  to find), then the sentences worth keeping, each with the space or punctuation in front
+  of it that the cache holds it with; else the message's start up to the first sentence
+  worth keeping, then the others; else everything up to the last of them; else the whole
+  message.
 
 A message once cut only loses text later (a compaction that drops one of its items drops
 its sentence, never its start), and only messages this prompt evicts are cut: one evicted
@@ -42,6 +45,7 @@ from chatctx.store import Message
 __all__ = ["CUT_ROOM", "Cut", "Cutter", "abridge", "summary_items"]
 
 _WORD = re.compile(r"[a-z0-9]+")
+_WORD_RUN = re.compile(r"\S+")
 _APOSTROPHES = str.maketrans({"\u2019": "", "\u2018": "", "'": ""})
 Span = tuple[int, int]  # (start, end) of message content
 # The cut messages may take this times the summary's limit (and at most 60% of the budget,
@@ -61,7 +65,7 @@ class Cut:
     value: int = 1
 
     def text(self, content: str) -> str:
-        return "".join(content[start:end] for start, end in self.spans).strip()
+        return _text(content, self.spans)
 
     def to_row(self) -> list[int]:
         return [self.message_id, self.value, *(x for span in self.spans for x in span)]
@@ -71,6 +75,17 @@ class Cut:
         message_id, value, *flat = (int(x) for x in row)
         spans = tuple((flat[i], flat[i + 1]) for i in range(0, len(flat) - 1, 2))
         return cls(message_id, spans, value)
+
+
+def _text(content: str, spans: Sequence[Span]) -> str:
+    return "".join(content[start:end] for start, end in spans).strip()
+
+
+def _openings(content: str, at: int, most: int = 8) -> list[int]:
+    """Ends of the message's first words (at most ``most``), before ``at``: a cut may keep
+    only that much of the message's start before its first kept sentence."""
+    ends = [m.end() for m in _WORD_RUN.finditer(content, 0, at)]
+    return ends[:most]
 
 
 def _words(text: str) -> frozenset[str]:
@@ -123,16 +138,35 @@ class Cutter:
 
 
 def _cut(message: Message, kept: list[tuple[int, int]], cutter: Cutter) -> tuple[Span, ...]:
-    """The kept sentences from the message's start (a cut that starts later leaves a
-    header the walk cannot find once the run before took its first tokens), else up to the
-    last kept sentence, else the whole message."""
-    tries = [((0, kept[0][1]), *kept[1:]), ((0, kept[-1][1]),)]
+    """The message's first few words, then the kept sentences; else the kept sentences from
+    the message's start; else everything up to the last kept sentence; else the whole
+    message. The first words are what the walk finds the message's header with, whatever
+    the run before it took of the header (see ``Cutter.keeps``)."""
     content = message.content
+    tries: list[tuple[Span, ...]] = [
+        ((0, end), (start, kept[0][1]), *kept[1:])
+        for end in _openings(content, kept[0][0])
+        for start in _leads(content, kept[0][0])
+        if end < start
+    ]
+    tries += [((0, kept[0][1]), *kept[1:]), ((0, kept[-1][1]),)]
     for spans in tries:
-        text = "".join(content[s:e] for s, e in spans).strip()
-        if cutter.keeps(message.role, content, text):
-            return tuple(spans)
+        if cutter.keeps(message.role, content, _text(content, spans)):
+            return spans
     return ((0, len(content)),)
+
+
+def _leads(content: str, at: int) -> list[int]:
+    """Where the sentence at ``at`` may start in a cut: with the space or line break in front
+    of it (the cache holds " Kenji", not "Kenji"), or with the punctuation before that too
+    (a tokenizer may hold "?" and a line break as one token)."""
+    space = at
+    while space > 0 and content[space - 1].isspace():
+        space -= 1
+    mark = space
+    while mark > 0 and not content[mark - 1].isspace() and not content[mark - 1].isalnum():
+        mark -= 1
+    return list(dict.fromkeys((space, mark)))
 
 
 def abridge(
@@ -187,8 +221,8 @@ def _narrow(message: Message, old: Cut, kept: list[Span], cutter: Cutter) -> tup
     still say something; as it was if that leaves a run too short to keep."""
     later = tuple((s, e) for s, e in old.spans[1:] if any(s <= ks and ke <= e for ks, ke in kept))
     spans = (old.spans[0], *later)
-    text = "".join(message.content[s:e] for s, e in spans).strip()
-    return spans if cutter.keeps(message.role, message.content, text) else old.spans
+    keeps = cutter.keeps(message.role, message.content, _text(message.content, spans))
+    return spans if keeps else old.spans
 
 
 def _within(

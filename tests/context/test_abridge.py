@@ -18,7 +18,7 @@ from chatctx.context._abridge import Cut, Cutter, abridge
 from chatctx.engine._codec import TiktokenCodec
 from chatctx.replay import DryBackend
 from chatctx.store import Message
-from tests.walk import server_walk
+from tests.walk import cut_of, server_walk
 
 CHUNK = 4
 
@@ -100,6 +100,44 @@ def test_a_cut_keeps_what_the_walk_can_find(llama3_codec: TiktokenCodec) -> None
     )
     assert again.text(message.content) == "My dog is called Rex."
     assert Cut.from_row(again.to_row()) == again
+
+
+def test_a_late_item_keeps_only_the_first_words_of_its_message(
+    llama3_codec: TiktokenCodec,
+) -> None:
+    message = _message(
+        3,
+        "user",
+        "Oh no, that is a sad face, what are you packing for? Are you going home for the "
+        "holidays this year or staying put?\ngoing to Nashville next month with my cousins",
+    )
+    (cut,) = abridge(
+        "User: going to Nashville next month with my cousins",
+        [message],
+        _cutter(llama3_codec),
+        cost=lambda m, t: 1,
+        limit=99,
+    )
+    text = cut.text(message.content)
+    # By hand: a few of the message's first words (what the walk finds its header with),
+    # then the sentence, not the two questions in between.
+    assert text.endswith("\ngoing to Nashville next month with my cousins")
+    assert "packing" not in text and "holidays" not in text
+    assert cut_of(text, message.content) and len(text) < len(message.content) // 2
+    # Whatever came before the message in the cache and comes before it in the prompt, the
+    # walk written apart from chatctx keeps every token of the cut message.
+    system = {"role": "system", "content": "You are the support assistant."}
+    before = {"role": "user", "content": "Hi! I need a hand with a parcel."}
+    reply = {"role": "assistant", "content": "Of course, happy to help."}
+    after = {"role": "user", "content": "So what do you think?"}
+    cut_message = {"role": "user", "content": text}
+    cached = llama3_codec.prompt_tokens([system, before, reply, message.to_openai(), after])
+    new = len(llama3_codec.prompt_tokens([after], add_generation_prompt=True)) - len(
+        llama3_codec.prompt_tokens([], add_generation_prompt=True)
+    )
+    for kept in ([system, before, reply], [system, before], [system, reply], [system]):
+        prompt = llama3_codec.prompt_tokens([*kept, cut_message, after])
+        assert server_walk(cached, prompt, CHUNK) >= len(prompt) - new - 1, kept
 
 
 def test_an_abbreviation_does_not_end_a_sentence(llama3_codec: TiktokenCodec) -> None:

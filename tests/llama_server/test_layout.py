@@ -30,6 +30,7 @@ CHAT = [
     "Hi, my router keeps dropping the wifi every evening.",
     "My order number is 48213 and the router is an AX3000.",
     "I live in Lyon, the flat is on the fourth floor.",
+    "Sorry, what did you mean by that? Oh and the router sits behind the fish tank in the hall.",
     "The firmware says 2.1.4, is that the current one?",
     "I updated it, but the drops came back after an hour.",
     "My daughter Lena plays online games, she notices it first.",
@@ -195,6 +196,9 @@ def test_an_eviction_costs_only_what_is_new_in_the_abridge_layout(
         # messages cut down cost it nothing.
         assert turn["reply"].usage.evaluated_tokens <= tail + 3, (turn["plan"].reason, tail)
     assert cuts >= 1 and sum(t["plan"].evicted for t in turns) >= 3, cuts
+    # A sentence said late in a message is kept without the question before it.
+    fish = [m["content"] for t in turns for m in t["messages"] if "fish tank" in m["content"]]
+    assert any("mean by that" not in text for text in fish), fish
     # The order number, evicted long before, is still in the prompt that asks for it.
     asks = next(t for t in turns if t["messages"][-1]["content"].startswith("Remind me"))
     assert any("48213" in m["content"] for m in asks["messages"][:-1])
