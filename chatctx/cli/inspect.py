@@ -79,6 +79,11 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
                 f"  recalled {len(recalled)} messages (id (score), best first): {pairs} · "
                 f"{plan.get('recall_ms', 0):.1f} ms"
             )
+        if plan.get("recall_answered") is not None:
+            console.print(
+                f"  best match {plan['recall_answered']} already in the prompt: the other "
+                "matches sent their closest sentence only"
+            )
         if plan.get("recall_error"):
             console.print(f"  [red]recall failed: {plan['recall_error']}[/red]")
         if plan.get("yielded"):

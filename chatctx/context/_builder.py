@@ -30,6 +30,7 @@ from chatctx.context._recall import (
     render_section,
     repeats,
     snippet,
+    unsaid,
 )
 from chatctx.context._turns import group_turns, id_ranges
 from chatctx.context.summarizers import ExtractiveSummarizer, Summarizer, summary_limit
@@ -100,6 +101,8 @@ class ContextPlan:
     recall_scores: list[float] = field(default_factory=list)  # for recalled_ids
     recall_ms: float = 0.0
     recall_error: str | None = None
+    # The best match, when the prompt said all of it already: the rest recalled sentences only.
+    recall_answered: int | None = None
     truncated: bool = False
     window_start: int = 0
     prompt_hash: str = ""
@@ -527,13 +530,21 @@ class ContextBuilder:
             for h in group_hits(found)
             if h.message.id not in pinned_ids and not repeats(h.message, query)
         ][: s.recall_k]
+        whole = mode == "full"
         if hits:
             *rest, asked = said()
-            hits = drop_said(hits, known_text(rest, asked))
+            known = known_text(rest, asked)
+            # The best match all said already (kept, cut down or in the summary): the prompt
+            # holds what the question is most likely about, and the other matches are a
+            # hedge; they get their closest sentences, not whole messages and replies.
+            if unsaid(hits[0].message, known) is None:
+                plan.recall_answered = hits[0].message.id
+                whole = False
+            hits = drop_said(hits, known)
         pick = getattr(self.recall, "snippet", snippet)  # a search may rank sentences itself
         # A question that does not ask back gets the sentences that matched, not whole
         # messages and their replies: it is owed no recall room, only what is that close.
-        chosen = fit_recall(hits, query, room, self._section_cost(), pick, whole=mode == "full")
+        chosen = fit_recall(hits, query, room, self._section_cost(), pick, whole=whole)
         # The choice used an estimate; the section's exact cost decides.
         while chosen and self._section_tokens(chosen) > room:
             chosen.pop()

@@ -433,3 +433,45 @@ def test_a_clause_that_says_the_same_is_said(llama3_codec: TiktokenCodec, store:
         "- assistant: Hope the day gets better!",
     ]
     assert built.plan.recalled_ids == [meds[0].id, meds[1].id]
+
+
+def test_when_the_prompt_says_the_best_match_the_others_send_their_closest_sentence(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    parked = add_turn(store, "I parked on level 3 of the garage.", "Got it.")
+    other = add_turn(
+        store,
+        "The garage closes at 9 tonight. My sister borrowed the car yesterday and returned "
+        "it dirty.",
+        "Annoying!",
+    )
+    kept = add_turn(store, FILLER[2], "Sounds tiring.")
+
+    def ask(summary: str | None) -> BuildResult:
+        return builder(llama3_codec, store).build(
+            system_prompt=SYSTEM,
+            history=store.messages("c", from_position=kept[0].position),
+            new_message="Remind me where I parked in the garage?",
+            budget=2000,
+            state=ContextState(window_start=kept[0].position, summary=summary),
+        )
+
+    def lines(built: BuildResult) -> list[str]:
+        section = str(built.messages[-2]["content"])
+        assert section.startswith(RECALL_HEADER)
+        return section.removeprefix(RECALL_HEADER).splitlines()
+
+    # Hand-computed: the best match (two of the question's words) is in the summary, so the
+    # other match sends the one sentence that shares a word with the question, no reply.
+    built = ask("User: I parked on level 3 of the garage")
+    assert lines(built) == ["- user: The garage closes at 9 tonight."]
+    assert built.plan.recall_answered == parked[0].id
+    # With the best match evicted and unsaid, both are sent whole, with the reply that says
+    # something ("Got it." says nothing).
+    built = ask(None)
+    assert built.plan.recall_answered is None
+    assert lines(built) == [
+        f"- user: {parked[0].content}",
+        f"- user: {' '.join(other[0].content.split())}",
+        "- assistant: Annoying!",
+    ]
