@@ -7,6 +7,7 @@ Oracles: cuts written out by hand, llama-server's walk written apart from chatct
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -30,6 +31,16 @@ def _message(mid: int, role: str, content: str) -> Message:
 def _cutter(codec: TiktokenCodec) -> Cutter:
     builder = ContextBuilder(codec, layout="append")
     return Cutter(builder._message_tokens, CHUNK)
+
+
+def _cut_one(
+    codec: TiktokenCodec, summary: str, message: Message, previous: Sequence[Cut] = ()
+) -> Cut:
+    """The one cut of ``message`` under ``summary`` (each cut costs 1, the limit is 99)."""
+    (cut,) = abridge(
+        summary, [message], _cutter(codec), previous=previous, cost=lambda m, t: 1, limit=99
+    )
+    return cut
 
 
 def test_a_message_keeps_its_start_and_the_sentences_the_summary_keeps(
@@ -57,13 +68,7 @@ def test_a_message_keeps_its_start_and_the_sentences_the_summary_keeps(
     # the item would leave a header the walk cannot find once the run before it took the
     # header's first tokens.
     late = _message(3, "user", "Good morning! By the way, my cat is called Felix.")
-    (cut,) = abridge(
-        "User: my cat is called Felix",
-        [late],
-        _cutter(llama3_codec),
-        cost=lambda m, t: 1,
-        limit=99,
-    )
+    cut = _cut_one(llama3_codec, "User: my cat is called Felix", late)
     assert cut.text(late.content) == late.content
 
 
@@ -75,7 +80,7 @@ def test_a_cut_keeps_what_the_walk_can_find(llama3_codec: TiktokenCodec) -> None
         "Work has been busy with meetings about the plan. My sister Anna lives in Lyon.",
     )
     summary = "User: My dog is called Rex; My sister Anna lives in Lyon"
-    (cut,) = abridge(summary, [message], _cutter(llama3_codec), cost=lambda m, t: 1, limit=99)
+    cut = _cut_one(llama3_codec, summary, message)
     assert cut.text(message.content) == "My dog is called Rex. My sister Anna lives in Lyon."
     # A cache that held the whole message (after a system prompt) keeps every token of the
     # cut message: the walk written apart from chatctx's finds all of it.
@@ -90,14 +95,7 @@ def test_a_cut_keeps_what_the_walk_can_find(llama3_codec: TiktokenCodec) -> None
     assert server_walk(cached, prompt, CHUNK) >= len(prompt) - new - 1
     # Once cut, it only loses text: with its second item gone from the summary, the second
     # sentence goes and the start stays.
-    (again,) = abridge(
-        "User: My dog is called Rex",
-        [message],
-        _cutter(llama3_codec),
-        previous=[cut],
-        cost=lambda m, t: 1,
-        limit=99,
-    )
+    again = _cut_one(llama3_codec, "User: My dog is called Rex", message, previous=[cut])
     assert again.text(message.content) == "My dog is called Rex."
     assert Cut.from_row(again.to_row()) == again
 
@@ -111,13 +109,7 @@ def test_a_late_item_keeps_only_the_first_words_of_its_message(
         "Oh no, that is a sad face, what are you packing for? Are you going home for the "
         "holidays this year or staying put?\ngoing to Nashville next month with my cousins",
     )
-    (cut,) = abridge(
-        "User: going to Nashville next month with my cousins",
-        [message],
-        _cutter(llama3_codec),
-        cost=lambda m, t: 1,
-        limit=99,
-    )
+    cut = _cut_one(llama3_codec, "User: going to Nashville next month with my cousins", message)
     text = cut.text(message.content)
     # By hand: a few of the message's first words (what the walk finds its header with),
     # then the sentence, not the two questions in between.
@@ -146,13 +138,7 @@ def test_an_abbreviation_does_not_end_a_sentence(llama3_codec: TiktokenCodec) ->
         "user",
         "ugh Dr. Patel forgot my refill again. The weather is grim and the bus was late.",
     )
-    (cut,) = abridge(
-        "User: ugh Dr. Patel forgot my refill again",
-        [message],
-        _cutter(llama3_codec),
-        cost=lambda m, t: 1,
-        limit=99,
-    )
+    cut = _cut_one(llama3_codec, "User: ugh Dr. Patel forgot my refill again", message)
     assert cut.text(message.content) == "ugh Dr. Patel forgot my refill again."
 
 

@@ -57,6 +57,26 @@ def render(codec: TiktokenCodec, messages: Sequence[dict[str, str]]) -> list[int
     return codec.prompt_tokens(list(messages))
 
 
+def ask_after(
+    codec: TiktokenCodec, store: Store, kept: Message, question: str, summary: str | None
+) -> BuildResult:
+    """A prompt for ``question`` with the history from ``kept`` on and ``summary``."""
+    return builder(codec, store).build(
+        system_prompt=SYSTEM,
+        history=store.messages("c", from_position=kept.position),
+        new_message=question,
+        budget=2000,
+        state=ContextState(window_start=kept.position, summary=summary),
+    )
+
+
+def section_lines(built: BuildResult) -> list[str]:
+    """The recall section's lines, without its header."""
+    section = str(built.messages[-2]["content"])
+    assert section.startswith(RECALL_HEADER)
+    return section.removeprefix(RECALL_HEADER).splitlines()
+
+
 def test_best_matching_evicted_message_is_recalled_first(
     llama3_codec: TiktokenCodec, store: Store
 ) -> None:
@@ -374,21 +394,13 @@ def test_what_the_prompt_already_says_is_not_recalled_again(
     summary = "Earlier: i'm ALLERGIC to shellfish! I parked on level 3"
 
     def ask(summary: str) -> BuildResult:
-        return builder(llama3_codec, store).build(
-            system_prompt=SYSTEM,
-            history=store.messages("c", from_position=kept[0].position),
-            new_message="Remind me: my shellfish thing, locker code, and where I parked?",
-            budget=2000,
-            state=ContextState(window_start=kept[0].position, summary=summary),
-        )
+        question = "Remind me: my shellfish thing, locker code, and where I parked?"
+        return ask_after(llama3_codec, store, kept[0], question, summary)
 
     built = ask(summary)
-    section = built.messages[-2]["content"]
-    assert section.startswith(RECALL_HEADER)
-    lines = section.removeprefix(RECALL_HEADER).splitlines()
     # Hand-computed: the user message less its first sentence; its reply whole; the parking
     # message is all said, so its reply comes alone.
-    assert lines == [
+    assert section_lines(built) == [
         "- user: My locker code is 4411.",
         "- assistant: Noted, no shellfish and code 4411.",
         "- assistant: Got it: level three, spot 12.",
@@ -420,15 +432,9 @@ def test_a_clause_that_says_the_same_is_said(llama3_codec: TiktokenCodec, store:
         "User: forgot to take zoloft this morning and im def feeling it; "
         "I work right by the station"
     )
-    built = builder(llama3_codec, store).build(
-        system_prompt=SYSTEM,
-        history=store.messages("c", from_position=kept[0].position),
-        new_message="what did i tell you about zoloft and going after work?",
-        budget=2000,
-        state=ContextState(window_start=kept[0].position, summary=summary),
-    )
-    section = built.messages[-2]["content"]
-    assert section.removeprefix(RECALL_HEADER).splitlines() == [
+    question = "what did i tell you about zoloft and going after work?"
+    built = ask_after(llama3_codec, store, kept[0], question, summary)
+    assert section_lines(built) == [
         "- user: i go right after work now.",
         "- assistant: Hope the day gets better!",
     ]
@@ -448,29 +454,20 @@ def test_when_the_prompt_says_the_best_match_the_others_send_their_closest_sente
     kept = add_turn(store, FILLER[2], "Sounds tiring.")
 
     def ask(summary: str | None) -> BuildResult:
-        return builder(llama3_codec, store).build(
-            system_prompt=SYSTEM,
-            history=store.messages("c", from_position=kept[0].position),
-            new_message="Remind me where I parked in the garage?",
-            budget=2000,
-            state=ContextState(window_start=kept[0].position, summary=summary),
+        return ask_after(
+            llama3_codec, store, kept[0], "Remind me where I parked in the garage?", summary
         )
-
-    def lines(built: BuildResult) -> list[str]:
-        section = str(built.messages[-2]["content"])
-        assert section.startswith(RECALL_HEADER)
-        return section.removeprefix(RECALL_HEADER).splitlines()
 
     # Hand-computed: the best match (two of the question's words) is in the summary, so the
     # other match sends the one sentence that shares a word with the question, no reply.
     built = ask("User: I parked on level 3 of the garage")
-    assert lines(built) == ["- user: The garage closes at 9 tonight."]
+    assert section_lines(built) == ["- user: The garage closes at 9 tonight."]
     assert built.plan.recall_answered == parked[0].id
     # With the best match evicted and unsaid, both are sent whole, with the reply that says
     # something ("Got it." says nothing).
     built = ask(None)
     assert built.plan.recall_answered is None
-    assert lines(built) == [
+    assert section_lines(built) == [
         f"- user: {parked[0].content}",
         f"- user: {' '.join(other[0].content.split())}",
         "- assistant: Annoying!",
