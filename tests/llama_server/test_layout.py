@@ -30,7 +30,6 @@ CHAT = [
     "Hi, my router keeps dropping the wifi every evening.",
     "My order number is 48213 and the router is an AX3000.",
     "I live in Lyon, the flat is on the fourth floor.",
-    "Sorry, what did you mean by that? Oh and the router sits behind the fish tank in the hall.",
     "The firmware says 2.1.4, is that the current one?",
     "I updated it, but the drops came back after an hour.",
     "My daughter Lena plays online games, she notices it first.",
@@ -43,6 +42,9 @@ CHAT = [
     "And which router model did I say I have?",
     "Great, thanks for the help. Bye!",
 ]
+# The abridge test's chat also has a fact said after a question in one message.
+FISH = "Sorry, what did you mean by that? Oh and the router sits behind the fish tank in the hall."
+ABRIDGE_CHAT = [*CHAT[:3], FISH, *CHAT[3:]]
 
 
 def metric(url: str, name: str) -> float:
@@ -53,7 +55,9 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def run(backend: LlamaServerBackend, db_url: str, layout: str, tag: str) -> list[dict[str, Any]]:
+def run(
+    backend: LlamaServerBackend, db_url: str, layout: str, tag: str, chat: list[str] = CHAT
+) -> list[dict[str, Any]]:
     # Every question recalls (not only those that ask back, whose answers this short chat's
     # summary holds word for word): the recall sections' spans are part of what is checked.
     context = ContextSettings(
@@ -69,10 +73,10 @@ def run(backend: LlamaServerBackend, db_url: str, layout: str, tag: str) -> list
         system_prompt=SYSTEM,
         settings=GREEDY,
         context=context,
-    ) as chat:
-        for message in CHAT:
-            reply = chat.send(message)
-            built = chat.last_build
+    ) as session:
+        for message in chat:
+            reply = session.send(message)
+            built = session.last_build
             assert built is not None and reply.turn is not None
             turns.append(
                 {
@@ -164,7 +168,7 @@ def test_an_eviction_costs_only_what_is_new_in_the_abridge_layout(
 ) -> None:
     codec = backend.codec()
     before_total = metric(server.url, "llamacpp:prompt_tokens_total")
-    turns = run(backend, db_url, "abridge", "abridge")
+    turns = run(backend, db_url, "abridge", "abridge", ABRIDGE_CHAT)
     evaluated = [t["reply"].usage.evaluated_tokens for t in turns]
     assert metric(server.url, "llamacpp:prompt_tokens_total") - before_total == sum(evaluated)
     assert turns[0]["plan"].layout == "abridge"
