@@ -33,6 +33,7 @@ limit (times ``CUT_ROOM``): past it, the cuts worth least per token are left out
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,8 +85,7 @@ def _text(content: str, spans: Sequence[Span]) -> str:
 def _openings(content: str, at: int, most: int = 8) -> list[int]:
     """Ends of the message's first words (at most ``most``), before ``at``: a cut may keep
     only that much of the message's start before its first kept sentence."""
-    ends = [m.end() for m in _WORD_RUN.finditer(content, 0, at)]
-    return ends[:most]
+    return [m.end() for m in itertools.islice(_WORD_RUN.finditer(content, 0, at), most)]
 
 
 def _words(text: str) -> frozenset[str]:
@@ -108,6 +108,8 @@ class Cutter:
         self._tokens = tokens
         self.min_chunk = min_chunk
         self._headers: dict[str, int] = {}
+        # The last whole message's tokens: ``_cut`` checks up to 16 cuts of one message.
+        self._whole: tuple[str, str, list[int]] = ("", "", [])
 
     def _header(self, role: str) -> int:
         """Tokens in front of a message's content (its role header)."""
@@ -121,7 +123,9 @@ class Cutter:
 
     def keeps(self, role: str, content: str, cut: str) -> bool:
         """Whether a cache holding the whole message keeps all of the cut message."""
-        whole, part = self._tokens(role, content), self._tokens(role, cut)
+        if self._whole[:2] != (role, content):
+            self._whole = (role, content, self._tokens(role, content))
+        whole, part = self._whole[2], self._tokens(role, cut)
         same_end = 0  # the closing tokens are found with the next message's header
         while same_end < min(len(whole), len(part)) and whole[-1 - same_end] == part[-1 - same_end]:
             same_end += 1
