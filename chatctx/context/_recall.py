@@ -91,9 +91,16 @@ _FORGETTING = frozenset("forgot forget forgetting forgotten blanking blanked".sp
 _NOT = frozenset("dont cant cannot not never couldnt t".split())  # "can't": "can", "t"  # noqa: SIM905
 _RECALLING = frozenset({"remember", "recall"})
 _TOLD = frozenset("said told mentioned recommended suggested".split())  # noqa: SIM905
-# In a question, words that point back at something said ("what's it called again?",
-# "which one did you recommended?", "do you remember where i parked?").
-_POINTING = _RECALLING | _TOLD | {"again", "earlier"}
+# In a question, words that point back at something said ("which one did you recommended?",
+# "do you remember where i parked?"); "again" and "earlier" too, unless to the listener.
+_POINTING = _RECALLING | _TOLD
+_AGAIN = frozenset({"again", "earlier"})
+_ABOUT_YOU = frozenset("do does are is were was have has".split())  # noqa: SIM905
+_PRONOUNS = frozenset("i we you u he she it they there that this".split())  # noqa: SIM905
+# What an unmarked question opened by an auxiliary has next: its subject ("did i", "is my").
+_SUBJECTS = _PRONOUNS | frozenset(
+    "im my our your his her their the this these those someone anyone everyone".split()  # noqa: SIM905
+)
 _CLAUSE = re.compile(r"[,;:]+\s*|\s+-+\s+")
 # Words: a longer clause is talk with a question in it ("yeah i know right? ..."), and a
 # sentence up to _SHORT words is one question even across a comma ("if I'm locked out,
@@ -126,7 +133,9 @@ def _not_knowing(words: Sequence[str]) -> bool:
     "i forgot / can't remember / am blanking on what ...", "remember which ...", "you told
     me ..."."""
     for i, word in enumerate(words):
-        if word in ("remind", "reminding"):
+        # "remind me ...", "can you remind me": not "thanks for reminding me", "to remind us".
+        reminding = word in ("remind", "reminding") and words[i + 1 : i + 2] == ["me"]
+        if reminding and (i == 0 or words[i - 1] != "for"):
             return True
         # "you told me about a game" asks back; "like you said" agrees and asks nothing.
         told = word in _TOLD and i and words[i - 1] in _YOU
@@ -135,6 +144,8 @@ def _not_knowing(words: Sequence[str]) -> bool:
         forgetting = word in _FORGETTING or (
             word in _RECALLING and (i == 0 or not _NOT.isdisjoint(words[max(0, i - 3) : i]))
         )
+        if forgetting and words[i + 1 : i + 2] == ["to"]:
+            continue  # "i forgot to call": a thing not done, not a thing said
         if forgetting and any(w in _QUESTION_WORD or w == "name" for w in words[i + 1 : i + 4]):
             return True
     return False
@@ -154,26 +165,62 @@ def _inverted(words: Sequence[str]) -> bool:
     return False
 
 
-def _asks_back_in(clause: str, sentence: Sequence[str]) -> bool:
-    """Whether one clause of ``sentence`` (its words) asks about the speaker or points back."""
+def _to_listener(words: Sequence[str]) -> bool:
+    """Whether a question asks about the listener: "how do you say ...", "are you ...",
+    "what do you think about my ...". Not a request ("what should u pick up for me",
+    "did you book my table"): a modal or "did" before "you" may ask for the speaker."""
+    for i, word in enumerate(words[:5]):
+        if word in _INVERTED:
+            return word in _ABOUT_YOU and words[i + 1 : i + 2] != [] and words[i + 1] in _YOU
+    return False
+
+
+def _tag(words: Sequence[str]) -> bool:
+    """Whether a clause is a question tag asking for agreement: "..., does it?", "..., didn't
+    I?", "..., right?"."""
+    if words in (["right"], ["ok"], ["okay"], ["eh"], ["huh"]):
+        return True
+    verb, *rest = words
+    verb = verb.removesuffix("n")  # "didn't" reads as "didn", "t"
+    return (
+        verb in _AUXILIARY | _MODAL | {"wo", "ca"}  # "won't", "can't"
+        and 1 <= len(rest) <= 2
+        and all(w in _PRONOUNS or w in ("t", "not") for w in rest)
+    )
+
+
+def _asks_back_in(clause: str, sentence: Sequence[str], later: bool) -> bool:
+    """Whether one clause of ``sentence`` (its words) asks about the speaker or points back;
+    ``later``: a clause with something in it came before, in the same sentence."""
     words = _lead(_WORD.findall(clause.casefold()))
     if not words or len(words) > _LONG or words[0] in _YOU:
         return False
     first, marked = words[0], "?" in clause
+    if later and (_tag(words) or (first == "which" and not marked)):
+        return False  # a question tag, or ", which ..." saying more about what came before
     if not (marked or first in _ASKING):
         return False
-    pointing = not _POINTING.isdisjoint(words)
+    listener = _to_listener(words)
+    told = not _POINTING.isdisjoint(words) or (
+        listener and "say" in words and "did" in words  # "where did you say i should park"
+    )
+    # Put to the listener, "again" points back after a question word ("where are you moving
+    # again?"), not after an auxiliary ("are you in the library again?").
+    again = not _AGAIN.isdisjoint(words)
+    pointing = told or (again and (not listener or first in _QUESTION_WORD))
     if not marked and first in _QUESTION_WORD and not (pointing or _inverted(words)):
         return False
     about = sentence if marked and len(sentence) <= _SHORT else words
     speaker = not _SELF.isdisjoint(about)
     if pointing and (speaker or "again" in words or first in _QUESTION_WORD):
         return True
-    if not speaker:
-        return False
-    return first in _QUESTION_WORD or (
-        first in _AUXILIARY and len(words) > 1 and words[1] not in _YOU
-    )
+    if not speaker or listener:
+        return False  # about the speaker, put to the listener: "how do you say I love you"
+    if first in _QUESTION_WORD:
+        return True
+    # An auxiliary first, unmarked, asks only with a subject after it ("did i pay"), not in
+    # a fragment ("did them last semester", "have to tone it down", "was not in my element").
+    return first in _AUXILIARY and words[1:2] != [] and (marked or words[1] in _SUBJECTS)
 
 
 def asks_back(text: str) -> bool:
@@ -193,8 +240,11 @@ def asks_back(text: str) -> bool:
         words = _WORD.findall(sentence.casefold())
         if _not_knowing(_lead(words)):
             return True
-        if any(_asks_back_in(clause, words) for clause in _CLAUSE.split(sentence)):
-            return True
+        later = False
+        for clause in _CLAUSE.split(sentence):
+            if _asks_back_in(clause, words, later):
+                return True
+            later = later or bool(_lead(_WORD.findall(clause.casefold())))
     return False
 
 

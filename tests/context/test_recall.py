@@ -321,6 +321,25 @@ def test_a_long_match_sends_its_closest_sentence_so_the_next_match_fits() -> Non
             "felt it was a waste, do you know what I mean?",
             False,  # "do you ...": a question to the listener
         ),
+        # About the listener, though the speaker is named in it.
+        ("hmm\nhow do you say I love you", False),
+        ("So what do you think about my last comment?", False),
+        ("Are you in the library again?", False),  # "again" after an auxiliary
+        ("wait where are you moving again?", True),  # after a question word: said before
+        ("what drink should u pick up for me in the morning", True),  # a request
+        ("where did you say I should park?", True),
+        # Fragments and tags are no questions: an auxiliary without a subject after it, ", which
+        # ..." after a clause, "..., does it?", "i forgot to ...", "thanks for reminding me".
+        ("Did them last semester for my music test", False),
+        ("Have to tone it down when I play games with friends", False),
+        ("was not in my element.", False),
+        ("did i pay the deposit", True),
+        ("it matters to me, does it?", False),
+        ("there is a theory, which states that we will grow", False),
+        ("Oh, wait, I forgot to clarify which class you are.", False),
+        ("thank you for reminding me about that.", False),
+        ("small stuff to remind us of each other", False),
+        ("can you remind me what i ordered", True),
     ],
 )
 def test_asks_back(text: str, asks: bool) -> None:
