@@ -22,6 +22,7 @@ from chatctx.context._recall import (
     RECALL_HEADER,
     RecallSearch,
     asks_back,
+    asks_only,
     drop_said,
     fit_recall,
     group_hits,
@@ -29,6 +30,7 @@ from chatctx.context._recall import (
     known_text,
     render_section,
     repeats,
+    says_nothing,
     snippet,
     unsaid,
 )
@@ -495,6 +497,7 @@ class ContextBuilder:
             s.recall_near_similarity <= 1
             and getattr(self.recall, "by_meaning", False)
             and is_question(message)
+            and not says_nothing(message)  # "what?", "really?": close to any chat
         )
         return "near" if near else None
 
@@ -518,8 +521,13 @@ class ContextBuilder:
         t0 = self._clock()
         try:
             found = search(query, window_start, s.recall_k + len(pinned_ids))
-            if mode == "near":  # only what is that close, not the rest of the hits with it
-                found = [(hit, score) for hit, score in found if score >= s.recall_near_similarity]
+            if mode == "near":  # only what is that close, not the rest of the hits with it,
+                # and only what states something: an earlier question answers nothing
+                found = [
+                    (hit, score)
+                    for hit, score in found
+                    if score >= s.recall_near_similarity and not asks_only(hit.content)
+                ]
         except Exception as exc:  # recall is optional: a failing search never fails a turn
             plan.recall_error = f"{type(exc).__name__}: {exc}"
             logger.warning("recall search failed, nothing recalled: %s", plan.recall_error)

@@ -120,6 +120,19 @@ def is_question(text: str) -> bool:
     return _asking(text, words) or any(w in _CUES for w in words)
 
 
+def asks_only(text: str) -> bool:
+    """Whether every sentence of ``text`` asks (a question mark, or a question word first):
+    it states nothing that could answer anything."""
+    parts = sentences(text)
+    return bool(parts) and all(_asking(s, _WORD.findall(s.casefold())) for _, s in parts)
+
+
+def says_nothing(text: str) -> bool:
+    """Whether ``text`` has no word that says something ("what?", "really? why's that?"):
+    nothing to find a match by meaning for."""
+    return not _news(_normalized(text))
+
+
 def _lead(words: Sequence[str]) -> Sequence[str]:
     """``words`` from the first that is not a filler ("ok so where ...": "where ...")."""
     start = 0

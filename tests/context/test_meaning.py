@@ -295,3 +295,43 @@ def test_the_near_path_sends_the_close_sentence_and_asking_back_the_whole_messag
     back = section("what was i telling you about shellfish?")  # asks back: owed the room
     assert f"- user: {told}" in back
     assert "- assistant: Good to know, no seafood dinners then!" in back
+
+
+def test_the_near_path_skips_empty_questions_and_matches_that_only_ask(
+    llama3_codec: TiktokenCodec, store: Store, embedder: Embedder
+) -> None:
+    asked = "is shellfish a common allergy in kids?"
+    told = "I'm allergic to shellfish, found out last spring."
+    store.add_messages(
+        "c",
+        [
+            {"role": "user", "content": asked},
+            {"role": "assistant", "content": "Fairly common, yes."},
+            {"role": "user", "content": "Really? That's wild."},
+            {"role": "assistant", "content": "It is!"},
+            {"role": "user", "content": told},
+            {"role": "assistant", "content": "Noted."},
+        ],
+    )
+    by_text = {m.content: m.id for m in store.messages("c")}
+    state = ContextState(window_start=store.messages("c")[-1].position + 1)
+
+    def recalled(question: str) -> list[int]:
+        built = ContextBuilder(
+            llama3_codec, ContextSettings(summarizer="none"), recall=meaning(store, embedder)
+        ).build(system_prompt=SYSTEM, history=[], new_message=question, budget=2000, state=state)
+        return built.plan.recalled_ids
+
+    def cosine(a: str, b: str) -> float:  # the oracle: the embedder's own cosines
+        va, vb = embedder.embed([a, b])
+        return float(va @ vb)
+
+    question = "Is shellfish a common allergy?"
+    # The earlier question is the closer match, even less the 0.1 a question is discounted,
+    # but it states nothing: the statement goes, the question does not.
+    assert cosine(question, asked) - 0.1 > cosine(question, told) >= 0.5
+    got = recalled(question)
+    assert by_text[told] in got and by_text[asked] not in got
+    # "really?" is close to "Really? That's wild." but has nothing in it to look for.
+    assert cosine("really?", "Really? That's wild.") >= 0.5
+    assert recalled("really?") == []
