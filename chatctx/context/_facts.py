@@ -304,7 +304,7 @@ _CUES: tuple[tuple[str, float, re.Pattern[str]], ...] = (
         2.0,
         re.compile(
             r"\b(?:once|twice|three times|\d+ times)\s+(?:a|per|every)\s+(?:day|week|month|year)\b|"
-            r"\bevery\s+(?:single\s+)?(?:morning|day|night|evening|week|weekend|month|"
+            r"\bevery\s+(?:single\s+|other\s+)?(?:morning|day|night|evening|week|weekend|month|"
             r"summer|winter|\w+day)\b|"
             r"\bsince\s+(?:19|20)\d\d\b|"
             r"\b(?:since|for)\s+(?:high school|college|middle school|years|ages|forever|"
@@ -533,7 +533,7 @@ def statement(sentence: str) -> Statement | None:
         # monday") is the speaker's own.
         about_speaker = speaker or _SOMEONE_ELSE.search(low) is None
         content = about_speaker and _content_words(low) >= MINOR_WORDS
-        if not (specific or content or recognized):
+        if not (specific or content or recognized or proper):  # a name is specific too
             return None
         told = information(low) + (0.5 if detail or proper else 0.0)
         if told < MIN_INFORMATION and not recognized:

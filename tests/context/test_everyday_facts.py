@@ -221,6 +221,22 @@ def test_a_leading_filler_is_cut_only_as_a_whole_word(said: str, kept: str) -> N
     assert found is not None and found.text.startswith(kept)
 
 
+@pytest.mark.parametrize(
+    ("said", "kept"),
+    [
+        # A name in mid-sentence, even one that is an everyday word too ("maple", "texas").
+        ("walking Maple rn, will call u after", "Maple"),
+        ("everyone from a small town in Texas knows everyone", "Texas"),
+        # "every other ..." is a habit, as "every ..." is.
+        ("i run every other evening, dont plan anything then lol", "every other evening"),
+        ("i swim every other day", "every other day"),
+    ],
+)
+def test_a_name_in_passing_and_an_every_other_habit_are_kept(said: str, kept: str) -> None:
+    found = statement(said)
+    assert found is not None and kept in found.text
+
+
 def test_stronger_facts_outlive_weaker_ones_when_compacting(llama3_codec: TiktokenCodec) -> None:
     summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=48)
     summary = summarize(None, chat(("user", "I'm allergic to penicillin")))
