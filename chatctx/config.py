@@ -93,7 +93,7 @@ class ContextSettings(_Model):
         "cached history.",
     )
     recall_budget: int = Field(
-        160,
+        96,
         ge=0,
         description="Most tokens the recalled messages may take (0 = no recall). A message "
         "that asks back is owed this room: when the prompt leaves less, the watermark eviction "

@@ -281,7 +281,7 @@ def _write(
 @click.option(
     "--recall-budget",
     type=int,
-    default=160,
+    default=ReplayConfig.model_fields["recall_budget"].default,
     show_default=True,
     help="Most tokens of recalled messages per turn.",
 )

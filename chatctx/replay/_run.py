@@ -60,7 +60,11 @@ class ReplayConfig(_Model):
     system: str | None = Field(None, description="System prompt replacing the logged one.")
     max_tokens: int = Field(128, ge=1, description="Longest regenerated reply.")
     recall: bool = Field(True, description="Recall evicted messages matching the new one.")
-    recall_budget: int = Field(160, ge=0, description="Most tokens of recalled messages.")
+    recall_budget: int = Field(
+        ContextSettings.model_fields["recall_budget"].default,
+        ge=0,
+        description="Most tokens of recalled messages.",
+    )
     recall_k: int = Field(5, ge=1, le=50, description="Most messages recalled per turn.")
     recall_trigger: Literal["question", "any-question", "always"] = Field(
         "question",

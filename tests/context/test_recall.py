@@ -372,8 +372,9 @@ def test_a_question_gets_its_recall_room_from_the_oldest_kept_turns(
     first = b.build(
         system_prompt=SYSTEM, history=history, new_message=question, budget=4000, state=state
     )
-    # A budget the prompt fits with fewer tokens to spare than recall_budget (160).
-    budget = first.plan.prompt_tokens - first.plan.sections["recall"] + 100
+    # A budget the prompt fits with fewer tokens to spare than recall_budget (96), half.
+    budget = first.plan.prompt_tokens - first.plan.sections["recall"]
+    budget += ContextSettings().recall_budget // 2
 
     def build(message: str) -> BuildResult:
         return b.build(
