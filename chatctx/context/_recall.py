@@ -202,13 +202,13 @@ def _tag(words: Sequence[str]) -> bool:
     )
 
 
-def _asks_back_in(clause: str, sentence: Sequence[str], later: bool) -> bool:
-    """Whether one clause of ``sentence`` (its words) asks about the speaker or points back;
-    ``later``: a clause with something in it came before, in the same sentence."""
-    words = _lead(_WORD.findall(clause.casefold()))
+def _asks_back_in(words: Sequence[str], marked: bool, sentence: Sequence[str], later: bool) -> bool:
+    """Whether one clause (its words after fillers; ``marked``: it has a question mark) of
+    ``sentence`` (its words) asks about the speaker or points back; ``later``: a clause with
+    something in it came before, in the same sentence."""
     if not words or len(words) > _LONG or words[0] in _YOU:
         return False
-    first, marked = words[0], "?" in clause
+    first = words[0]
     if later and (_tag(words) or (first == "which" and not marked)):
         return False  # a question tag, or ", which ..." saying more about what came before
     if not (marked or first in _ASKING):
@@ -255,9 +255,10 @@ def asks_back(text: str) -> bool:
             return True
         later = False
         for clause in _CLAUSE.split(sentence):
-            if _asks_back_in(clause, words, later):
+            clause_words = _lead(_WORD.findall(clause.casefold()))
+            if _asks_back_in(clause_words, "?" in clause, words, later):
                 return True
-            later = later or bool(_lead(_WORD.findall(clause.casefold())))
+            later = later or bool(clause_words)
     return False
 
 
