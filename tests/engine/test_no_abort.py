@@ -76,10 +76,13 @@ def test_close_ends_a_stream_running_in_another_thread(tiny_llama3_path: Path) -
     from chatctx import Engine
     from chatctx.config import GenerationSettings
 
-    with Engine.load(tiny_llama3_path, n_ctx=512) as engine:
+    # The tiny model makes 400 tokens in about 0.5 s here, and llama.cpp's threads can keep
+    # this thread from running that long on 2 cores: a reply long enough to outlast that.
+    most = 4000
+    with Engine.load(tiny_llama3_path, n_ctx=4096) as engine:
         prompt = engine.prompt_tokens([{"role": "user", "content": "count to a thousand"}])
         generation = engine.generate(
-            prompt, settings=GenerationSettings(max_tokens=400, temperature=0.0)
+            prompt, settings=GenerationSettings(max_tokens=most, temperature=0.0)
         )
         started = threading.Event()
         chunks: list[str] = []
@@ -97,4 +100,4 @@ def test_close_ends_a_stream_running_in_another_thread(tiny_llama3_path: Path) -
         assert not worker.is_alive()
         assert generation.result is not None
         assert generation.result.stop_reason in ("closed", "interrupted")
-        assert generation.result.usage.generated_tokens < 400
+        assert generation.result.usage.generated_tokens < most
