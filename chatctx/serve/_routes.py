@@ -14,7 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from chatctx._json import json_line
 from chatctx.errors import ConversationNotFound
 from chatctx.monitor import SlotTable, memory_snapshot, prometheus_text, totals
-from chatctx.serve._chat import STATELESS_PREFIX, chat_completion
+from chatctx.serve._chat import chat_completion
 from chatctx.serve._errors import not_found
 from chatctx.serve._http import LOG_KEY
 from chatctx.serve._schemas import CONVERSATION_ID, ChatCompletionRequest, ErrorResponse
@@ -133,7 +133,6 @@ async def list_conversations(
         prefix=prefix,
         after=None if after is None else prefix + after,
         limit=limit + 1,  # one more tells whether there is a next page
-        exclude_prefix=STATELESS_PREFIX,
     )
     mine = [(tenant.client_id(c.id), c) for c in rows]
     page = mine[:limit]

@@ -326,10 +326,9 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
         prefix: str = "",
         after: str | None = None,
         limit: int = 100,
-        exclude_prefix: str | None = None,
     ) -> list[Conversation]:
-        """At most ``limit`` conversations whose id starts with ``prefix`` (and not with
-        ``exclude_prefix``), ordered by id in code point order, the first after ``after``.
+        """At most ``limit`` conversations whose id starts with ``prefix``, ordered by id in
+        code point order, the first after ``after``.
 
         One page read from the database, with the message counts of that page only (list
         every conversation with ``list_conversations``).
@@ -342,8 +341,6 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
         query = select(ConversationRow).order_by(ident).limit(limit)
         if prefix:
             query = query.where(ConversationRow.id.startswith(prefix, autoescape=True))
-        if exclude_prefix:
-            query = query.where(~ConversationRow.id.startswith(exclude_prefix, autoescape=True))
         if after is not None:
             query = query.where(ident > after)
         with self._session() as session:
