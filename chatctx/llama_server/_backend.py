@@ -33,6 +33,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -157,7 +158,8 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
         self._lock = threading.Lock()
         self._side = threading.Lock()  # one summary at a time on the summary slot
         self._side_running: tuple[threading.Event | None, ServerStream] | None = None
-        self._streams: set[ServerStream] = set()
+        # Running generations (their workers hold them); one dropped unread never ran.
+        self._streams: weakref.WeakSet[ServerStream] = weakref.WeakSet()
         self._lost: dict[str, str] = {}  # conversations whose slot went to another: why
         self._mirror: dict[int, list[int]] = {}  # what chatctx believes each slot holds
         self._last_usage: dict[int, int] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 import time
@@ -104,6 +105,19 @@ def test_bad_input_is_refused(backend: LlamaServerBackend) -> None:
         backend.generate([1, 2, 3], seq_id=0, eviction="sideways")
     with pytest.raises(GenerationError, match="empty"):
         backend.generate([], seq_id=0)
+
+
+def test_a_generation_dropped_unread_does_not_hold_its_slot(backend: LlamaServerBackend) -> None:
+    lease = backend.lease("dropped")
+    try:
+        running = backend.generate([1, 2, 3], seq_id=lease.seq_id, settings=GREEDY)
+        with pytest.raises(ConfigError, match="in use by a running generation"):
+            backend.clear(lease.seq_id)  # the oracle that the check sees a live generation
+        del running  # never iterated, never closed: it never ran, and nothing holds it
+        gc.collect()
+        backend.clear(lease.seq_id)
+    finally:
+        backend.release(lease)
 
 
 def test_figures_come_from_the_server(
