@@ -17,7 +17,7 @@ from chatctx.context._facts import EMPTY_WORDS
 from chatctx.store import Message
 from chatctx.store._search import query_terms, stem_prefix
 
-RECALL_HEADER = "Earlier in this conversation (recalled):\n"
+RECALL_HEADER = "Recalled from earlier:\n"
 SNIPPET_GAP = " … "
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
 _CLAUSE_END = re.compile(r"[.!?;:]+(?:\s+|$)|\n+")  # ":" ends a label ("User: ...")
@@ -101,6 +101,7 @@ _PRONOUNS = frozenset("i we you u he she it they there that this".split())  # no
 _SUBJECTS = _PRONOUNS | frozenset(
     "im my our your his her their the this these those someone anyone everyone".split()  # noqa: SIM905
 )
+_JOINING = frozenset("but and so or".split())  # noqa: SIM905
 _CLAUSE = re.compile(r"[,;:]+\s*|\s+-+\s+")
 # Words: a longer clause is talk with a question in it ("yeah i know right? ..."), and a
 # sentence up to _SHORT words is one question even across a comma ("if I'm locked out,
@@ -202,10 +203,13 @@ def _tag(words: Sequence[str]) -> bool:
     )
 
 
-def _asks_back_in(words: Sequence[str], marked: bool, sentence: Sequence[str], later: bool) -> bool:
+def _asks_back_in(
+    words: Sequence[str], marked: bool, sentence: Sequence[str], later: bool, joined: bool
+) -> bool:
     """Whether one clause (its words after fillers; ``marked``: it has a question mark) of
     ``sentence`` (its words) asks about the speaker or points back; ``later``: a clause with
-    something in it came before, in the same sentence."""
+    something in it came before, in the same sentence; ``joined``: this clause opens with a
+    conjunction ("..., but why ...")."""
     if not words or len(words) > _LONG or words[0] in _YOU:
         return False
     first = words[0]
@@ -223,7 +227,10 @@ def _asks_back_in(words: Sequence[str], marked: bool, sentence: Sequence[str], l
     pointing = told or (again and (not listener or first in _QUESTION_WORD))
     if not marked and first in _QUESTION_WORD and not (pointing or _inverted(words)):
         return False
-    about = sentence if marked and len(sentence) <= _SHORT else words
+    # A short question is one across a comma ("if I'm locked out, where's the spare key?"),
+    # not after a clause it is joined to ("I know, but why ...").
+    whole = marked and len(sentence) <= _SHORT and not joined
+    about = sentence if whole else words
     speaker = not _SELF.isdisjoint(about)
     if pointing and (speaker or "again" in words or first in _QUESTION_WORD):
         return True
@@ -255,8 +262,10 @@ def asks_back(text: str) -> bool:
             return True
         later = False
         for clause in _CLAUSE.split(sentence):
-            clause_words = _lead(_WORD.findall(clause.casefold()))
-            if _asks_back_in(clause_words, "?" in clause, words, later):
+            raw = _WORD.findall(clause.casefold())
+            clause_words = _lead(raw)
+            joined = later and raw[:1] != [] and raw[0] in _JOINING
+            if _asks_back_in(clause_words, "?" in clause, words, later, joined):
                 return True
             later = later or bool(clause_words)
     return False
@@ -389,7 +398,7 @@ def render_section(items: Sequence[tuple[Message, str]]) -> str:
     """The recall section's text: the recalled lines in conversation order."""
     ordered = sorted(items, key=lambda item: item[0].position)
     return RECALL_HEADER + "\n".join(
-        f"- {message.role}: {' '.join(text.split())}" for message, text in ordered
+        f"{message.role}: {' '.join(text.split())}" for message, text in ordered
     )
 
 

@@ -135,7 +135,7 @@ def test_a_message_too_long_to_fit_sends_its_closest_sentence(
     )
     assert built.plan.recalled_ids == [long[0].id]
     section = built.messages[-2]["content"]
-    assert section == RECALL_HEADER + "- user: My daughter's name is Poppy, she's six."
+    assert section == RECALL_HEADER + "user: My daughter's name is Poppy, she's six."
 
 
 def test_recall_by_meaning_never_changes_tokens_before_its_section(
@@ -290,11 +290,11 @@ def test_the_near_path_sends_the_close_sentence_and_asking_back_the_whole_messag
         return next((t for t in texts if t.startswith(RECALL_HEADER)), "")
 
     near = section("Is shellfish a common allergy?")  # a question, not about the speaker
-    assert f"- user: {sentence}" in near
+    assert f"user: {sentence}" in near
     assert "kids loved" not in near and "Good to know" not in near
     back = section("what was i telling you about shellfish?")  # asks back: owed the room
-    assert f"- user: {told}" in back
-    assert "- assistant: Good to know, no seafood dinners then!" in back
+    assert f"user: {told}" in back
+    assert "assistant: Good to know, no seafood dinners then!" in back
 
 
 def test_the_near_path_skips_empty_questions_and_matches_that_only_ask(

@@ -102,8 +102,8 @@ def test_best_matching_evicted_message_is_recalled_first(
     assert not set(plan.recalled_ids) & set(plan.kept_ids)
     section = built.messages[-2]
     assert section["role"] == "system" and section["content"].startswith(RECALL_HEADER)
-    assert "- user: Oh and I'm allergic to shellfish, by the way." in section["content"]
-    assert "- assistant: Noted, no shellfish." in section["content"]
+    assert "user: Oh and I'm allergic to shellfish, by the way." in section["content"]
+    assert "assistant: Noted, no shellfish." in section["content"]
     # The prompt is exactly: system, kept history, recall, new message (rendered apart).
     expected = [
         {"role": "system", "content": SYSTEM},
@@ -263,20 +263,20 @@ def test_a_long_match_sends_its_closest_sentence_so_the_next_match_fits() -> Non
     def pick(text: str, query: str) -> list[tuple[int, str]]:  # the dog sentence ranks first
         return [(1, "The dog is called Pepper.")]
 
-    # By hand: the header is 5 words, each line adds "- user:" (2 words). The long message
-    # whole (24 words) and the short one (2) need 5 + 26 + 4 = 35; with its sentence (5)
-    # instead, 5 + 7 + 4 = 16; the reply ("- assistant: Fun trip!") adds 4. Whole with its
-    # reply, the long one alone takes the 35, as the reply-first order did.
-    assert _words(render_section([(long, long.content), (short, short.content)])) == 35
-    chosen = fit_recall(hits, "what is my dog called?", 21, _words, pick)
+    # By hand: the header is 3 words, each line adds "user:" (1 word). The long message
+    # whole (24 words) and the short one (2) need 3 + 25 + 3 = 31; with its sentence (5)
+    # instead, 3 + 6 + 3 = 12; the reply ("assistant: Fun trip!") adds 3. Whole with its
+    # reply, the long one alone takes the 31, as the reply-first order did.
+    assert _words(render_section([(long, long.content), (short, short.content)])) == 31
+    chosen = fit_recall(hits, "what is my dog called?", 17, _words, pick)
     assert [(m.id, t) for m, t, _ in chosen] == [
         (1, "The dog is called Pepper."),
         (3, "Pepper, beagle"),
     ]
     # Room for the whole long message too: it replaces its sentence; the reply only after.
-    chosen = fit_recall(hits, "what is my dog called?", 35, _words, pick)
+    chosen = fit_recall(hits, "what is my dog called?", 31, _words, pick)
     assert [(m.id, t) for m, t, _ in chosen] == [(1, long.content), (3, short.content)]
-    chosen = fit_recall(hits, "what is my dog called?", 39, _words, pick)
+    chosen = fit_recall(hits, "what is my dog called?", 34, _words, pick)
     assert [m.id for m, _, _ in chosen] == [1, 3, 2]
 
 
@@ -340,6 +340,12 @@ def test_a_long_match_sends_its_closest_sentence_so_the_next_match_fits() -> Non
         ("thank you for reminding me about that.", False),
         ("small stuff to remind us of each other", False),
         ("can you remind me what i ordered", True),
+        # After a clause it is joined to, a question is read alone: the "I" of "I know" is
+        # not what it asks about; a question that names the speaker itself still asks back.
+        ("I know, but why waste time on it?", False),
+        ("I know it's a lot of credits, but how many classes is that?", False),
+        ("I got a new car, but where did I park it?", True),
+        ("ok, but what was my dog called?", True),
     ],
 )
 def test_asks_back(text: str, asks: bool) -> None:
@@ -421,9 +427,9 @@ def test_what_the_prompt_already_says_is_not_recalled_again(
     # Hand-computed: the user message less its first sentence; its reply whole; the parking
     # message is all said, so its reply comes alone.
     assert section_lines(built) == [
-        "- user: My locker code is 4411.",
-        "- assistant: Noted, no shellfish and code 4411.",
-        "- assistant: Got it: level three, spot 12.",
+        "user: My locker code is 4411.",
+        "assistant: Noted, no shellfish and code 4411.",
+        "assistant: Got it: level three, spot 12.",
     ]
     # Chosen in this order: the matches (the parking reply standing in for its message), then
     # the replies of matches sent whole.
@@ -455,8 +461,8 @@ def test_a_clause_that_says_the_same_is_said(llama3_codec: TiktokenCodec, store:
     question = "what did i tell you about zoloft and going after work?"
     built = ask_after(llama3_codec, store, kept[0], question, summary)
     assert section_lines(built) == [
-        "- user: i go right after work now.",
-        "- assistant: Hope the day gets better!",
+        "user: i go right after work now.",
+        "assistant: Hope the day gets better!",
     ]
     assert built.plan.recalled_ids == [meds[0].id, meds[1].id]
 
@@ -481,14 +487,14 @@ def test_when_the_prompt_says_the_best_match_the_others_send_their_closest_sente
     # Hand-computed: the best match (two of the question's words) is in the summary, so the
     # other match sends the one sentence that shares a word with the question, no reply.
     built = ask("User: I parked on level 3 of the garage")
-    assert section_lines(built) == ["- user: The garage closes at 9 tonight."]
+    assert section_lines(built) == ["user: The garage closes at 9 tonight."]
     assert built.plan.recall_answered == parked[0].id
     # With the best match evicted and unsaid, both are sent whole, with the reply that says
     # something ("Got it." says nothing).
     built = ask(None)
     assert built.plan.recall_answered is None
     assert section_lines(built) == [
-        f"- user: {parked[0].content}",
-        f"- user: {' '.join(other[0].content.split())}",
-        "- assistant: Annoying!",
+        f"user: {parked[0].content}",
+        f"user: {' '.join(other[0].content.split())}",
+        "assistant: Annoying!",
     ]
