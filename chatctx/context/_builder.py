@@ -411,6 +411,7 @@ class ContextBuilder:
             new_message,
             window_start,
             pinned_ids,
+            end=history[-1].position + 1 if history else window_start,
             room=room,
             said=lambda: [str(m.get("content") or "") for m in assemble(sent_summary, turns, new)],
         )
@@ -508,19 +509,23 @@ class ContextBuilder:
         window_start: int,
         pinned_ids: set[int],
         *,
+        end: int,
         room: int,
         said: Callable[[], list[str]],
     ) -> list[tuple[Message, str, float]]:
-        """What to recall for this prompt: (message, text sent, score), best first. ``said``
-        gives the rest of the prompt's texts, the new message last: a sentence they hold is
-        not recalled again."""
+        """What to recall for this prompt: (message, text sent, score), best first. ``end``:
+        the position after the last stored message (the kept ones, from ``window_start``, are
+        searched too). ``said`` gives the rest of the prompt's texts, the new message last: a
+        sentence they hold is not recalled again."""
         s, search = self.settings, self.recall
         mode = self._recalls(query)
         if search is None or window_start <= 0 or mode is None:
             return []
         t0 = self._clock()
         try:
-            found = search(query, window_start, s.recall_k + len(pinned_ids))
+            # The kept messages are searched too: the best match may be one of them.
+            kept = max(0, end - window_start)
+            found = search(query, max(end, window_start), s.recall_k + len(pinned_ids) + kept)
             if mode == "near":  # only what is that close, not the rest of the hits with it,
                 # and only what states something: an earlier question answers nothing
                 found = [
@@ -537,15 +542,21 @@ class ContextBuilder:
             h
             for h in group_hits(found)
             if h.message.id not in pinned_ids and not repeats(h.message, query)
-        ][: s.recall_k]
+        ]
+        # The best match kept in the prompt: it holds what the question is most likely about,
+        # and the evicted matches are a hedge (their closest sentences, as below).
         whole = mode == "full"
+        if hits and hits[0].message.position >= window_start:
+            plan.recall_answered = hits[0].message.id
+            whole = False
+        hits = [h for h in hits if h.message.position < window_start][: s.recall_k]
         if hits:
             *rest, asked = said()
             known = known_text(rest, asked)
             # The best match all said already (kept, cut down or in the summary): the prompt
             # holds what the question is most likely about, and the other matches are a
             # hedge; they get their closest sentences, not whole messages and replies.
-            if unsaid(hits[0].message, known) is None:
+            if plan.recall_answered is None and unsaid(hits[0].message, known) is None:
                 plan.recall_answered = hits[0].message.id
                 whole = False
             hits = drop_said(hits, known)

@@ -467,6 +467,28 @@ def test_a_clause_that_says_the_same_is_said(llama3_codec: TiktokenCodec, store:
     assert built.plan.recalled_ids == [meds[0].id, meds[1].id]
 
 
+def test_when_a_kept_message_is_the_best_match_the_evicted_send_their_closest_sentence(
+    llama3_codec: TiktokenCodec, store: Store
+) -> None:
+    other = add_turn(
+        store,
+        "The garage closes at 9 tonight. My sister borrowed the car yesterday and returned "
+        "it dirty.",
+        "Annoying!",
+    )
+    kept = add_turn(store, FILLER[2], "Sounds tiring.")
+    parked = add_turn(store, "I parked on level 3 of the garage.", "Got it.")
+    question = "Remind me where I parked in the garage?"
+    # The oracle for "best": the search itself ranks the kept message first.
+    ranked = search(store)(question, parked[1].position + 1, 5)
+    assert ranked[0][0].id == parked[0].id and other[0].id in {m.id for m, _ in ranked}
+    built = ask_after(llama3_codec, store, kept[0], question, None)
+    # Hand-computed: the kept parking message answers; the evicted match sends the one
+    # sentence that shares a word with the question, no reply (before: whole, with it).
+    assert section_lines(built) == ["user: The garage closes at 9 tonight."]
+    assert built.plan.recall_answered == parked[0].id
+
+
 def test_when_the_prompt_says_the_best_match_the_others_send_their_closest_sentence(
     llama3_codec: TiktokenCodec, store: Store
 ) -> None:
