@@ -1,6 +1,7 @@
 """chatctx on llama-server vs llama-server alone (issue 22). Run by hand; prints ratios.
 
     python bench/llama_server_bench.py peers  [--chats 2] [--budgets 512,1024] [--rows a,b,c,d,e]
+                                              [--layout auto|append|abridge]
     python bench/llama_server_bench.py scale  [--convs 32] [--turns 6] [--setups ...]
     python bench/llama_server_bench.py decode [--tokens 64] [--streams 8] [--cold]
     python bench/llama_server_bench.py reuse  [--chunk 16]
@@ -161,13 +162,13 @@ def naive_chat(
 
 
 def chatctx_chat(
-    backend: Any, c: LoggedConversation, budget: int, recall: bool = True
+    backend: Any, c: LoggedConversation, budget: int, recall: bool = True, layout: str = "auto"
 ) -> list[dict[str, Any]]:
     """One chat through ``Replayer`` (a ``ChatSession`` per chat, ``record_turn``)."""
     import chatctx.replay._run as run
 
     rows: list[dict[str, Any]] = []
-    cfg = ReplayConfig(mode="teacher", budget=budget, reserve=RESERVE, recall=recall)
+    cfg = ReplayConfig(mode="teacher", budget=budget, reserve=RESERVE, recall=recall, layout=layout)
     outcomes: list[bool] = []
 
     def retained(fact: str, messages: Sequence[dict[str, Any]]) -> bool:
@@ -230,7 +231,7 @@ def figures(chats: list[list[dict[str, Any]]], new: int) -> dict[str, Any]:
 
 
 def dry_retention(
-    conversations: Sequence[LoggedConversation], codec: PromptCodec, budget: int
+    conversations: Sequence[LoggedConversation], codec: PromptCodec, budget: int, layout: str
 ) -> dict[str, float]:
     """Retention on every chat of the set, from the context alone (no model, no cache)."""
     kept = probes = 0
@@ -244,7 +245,9 @@ def dry_retention(
     out = {"naive": kept / probes}
     for name, recall in (("chatctx", True), ("chatctx, recall off", False)):
         result = rb.run(
-            conversations, ReplayConfig(mode="dry", budget=budget, recall=recall), codec
+            conversations,
+            ReplayConfig(mode="dry", budget=budget, recall=recall, layout=layout),
+            codec,
         )
         out[name] = result["retained"] / result["probes"]
     return out
@@ -286,10 +289,14 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
             elif key[0] in "wx":
                 edits = "in-place" if key[0] == "w" else "deletions"
                 with DryBackend(codec, n_ctx=n_ctx, model_path=model, cache_edits=edits) as dry:
-                    per_chat = [chatctx_chat(dry, c, budget, len(key) == 1) for c in chats]
+                    per_chat = [
+                        chatctx_chat(dry, c, budget, len(key) == 1, args.layout) for c in chats
+                    ]
             elif key.startswith("c"):
                 with Engine.load(model, n_ctx=n_ctx, n_seq_max=2, n_threads=args.threads) as engine:
-                    per_chat = [chatctx_chat(engine, c, budget, key == "c") for c in chats]
+                    per_chat = [
+                        chatctx_chat(engine, c, budget, key == "c", args.layout) for c in chats
+                    ]
             else:
                 if module is None:
                     print(f"| {ROWS[key]} | (chatctx.llama_server not available) |" + " |" * 8)
@@ -303,7 +310,9 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                     ) as server,
                     module.LlamaServerBackend(server.url, model=model) as backend,
                 ):  # fmt: skip
-                    per_chat = [chatctx_chat(backend, c, budget, len(key) == 1) for c in chats]
+                    per_chat = [
+                        chatctx_chat(backend, c, budget, len(key) == 1, args.layout) for c in chats
+                    ]
                     check = str(ls.prompt_tokens_total([server.url]))
             f = figures(per_chat, new)
             f["wall_s"] = time.perf_counter() - started
@@ -321,7 +330,7 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
         if not args.no_dry:
-            kept = dry_retention(conversations, codec, budget)
+            kept = dry_retention(conversations, codec, budget, args.layout)
             print(
                 f"\nretention on all {len(conversations)} chats of the set, from the context "
                 f"alone (no model): naive trim {kept['naive']:.2f}, chatctx {kept['chatctx']:.2f}, "
@@ -351,6 +360,12 @@ def main() -> None:
     p.add_argument("--rows", default="a,b,c,d,e")
     p.add_argument("--max-turns", type=int, default=None, help="cut each chat (a quick look)")
     p.add_argument("--no-dry", action="store_true", help="skip retention on all chats")
+    p.add_argument(
+        "--layout",
+        default="auto",
+        choices=("auto", "summary-first", "append", "abridge"),
+        help="chatctx's layout (auto: summary-first in process, append on llama-server)",
+    )
     add_scale(sub)
     add_decode(sub)
     r = sub.add_parser("reuse", help="what --cache-reuse reuses after a deletion vs an insertion")
