@@ -467,15 +467,17 @@ def test_a_clause_that_says_the_same_is_said(llama3_codec: TiktokenCodec, store:
     assert built.plan.recalled_ids == [meds[0].id, meds[1].id]
 
 
+# A message that shares "garage" with the parking questions below, one sentence of it.
+GARAGE = (
+    "The garage closes at 9 tonight. My sister borrowed the car yesterday and returned it dirty.",
+    "Annoying!",
+)
+
+
 def test_when_a_kept_message_is_the_best_match_the_evicted_send_their_closest_sentence(
     llama3_codec: TiktokenCodec, store: Store
 ) -> None:
-    other = add_turn(
-        store,
-        "The garage closes at 9 tonight. My sister borrowed the car yesterday and returned "
-        "it dirty.",
-        "Annoying!",
-    )
+    other = add_turn(store, *GARAGE)
     kept = add_turn(store, FILLER[2], "Sounds tiring.")
     parked = add_turn(store, "I parked on level 3 of the garage.", "Got it.")
     question = "Remind me where I parked in the garage?"
@@ -493,12 +495,7 @@ def test_when_the_prompt_says_the_best_match_the_others_send_their_closest_sente
     llama3_codec: TiktokenCodec, store: Store
 ) -> None:
     parked = add_turn(store, "I parked on level 3 of the garage.", "Got it.")
-    other = add_turn(
-        store,
-        "The garage closes at 9 tonight. My sister borrowed the car yesterday and returned "
-        "it dirty.",
-        "Annoying!",
-    )
+    other = add_turn(store, *GARAGE)
     kept = add_turn(store, FILLER[2], "Sounds tiring.")
 
     def ask(summary: str | None) -> BuildResult:
