@@ -264,7 +264,7 @@ def asks_back(text: str) -> bool:
         for clause in _CLAUSE.split(sentence):
             raw = _WORD.findall(clause.casefold())
             clause_words = _lead(raw)
-            joined = later and raw[:1] != [] and raw[0] in _JOINING
+            joined = later and bool(raw) and raw[0] in _JOINING
             if _asks_back_in(clause_words, "?" in clause, words, later, joined):
                 return True
             later = later or bool(clause_words)
