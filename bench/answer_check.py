@@ -30,6 +30,7 @@ from chatctx.engine import Engine, default_model_path
 from chatctx.engine._codec import open_codec
 from chatctx.engine._memory import pad256
 from chatctx.replay import DryBackend, ReplayConfig, Replayer
+from chatctx.replay._run import _retained
 
 _FILLER = frozenset("the a an about around my like".split())  # noqa: SIM905
 _WORD = re.compile(r"[\w$']+")
@@ -40,12 +41,6 @@ def says(fact: str, answer: str) -> bool:
     words = [w for w in _WORD.findall(fact.casefold()) if w not in _FILLER] or [fact.casefold()]
     text = answer.casefold()
     return all(w in text for w in words)
-
-
-def in_prompt(fact: str, built: BuildResult) -> bool:
-    """Retention as the replay counts it: the fact in a message before the question."""
-    needle = fact.casefold()
-    return any(needle in str(m.get("content", "")).casefold() for m in built.messages[:-1])
 
 
 def prompts(args: argparse.Namespace, layout: str, model: Path) -> list[dict[str, Any]]:
@@ -89,7 +84,8 @@ def prompts(args: argparse.Namespace, layout: str, model: Path) -> list[dict[str
                             "turn": index,
                             "fact": probe.fact,
                             "tokens": built.tokens,
-                            "kept": in_prompt(probe.fact, built),
+                            # retention as the replay counts it: before the question
+                            "kept": _retained(probe.fact, built.messages[:-1]),
                         }
                     )
     finally:
@@ -123,10 +119,9 @@ def main() -> None:
             for item in items:
                 engine.clear(0)
                 result = engine.generate(item["tokens"], seq_id=0, settings=settings).wait()
-                item["answer"] = result.text
-                good = says(item["fact"], result.text)
-                right += good
-                right_kept += good and item["kept"]
+                item["said"] = says(item["fact"], result.text)
+                right += item["said"]
+                right_kept += item["said"] and item["kept"]
             n_kept = sum(i["kept"] for i in items)
             print(
                 f"| {layout} | {n_kept}/{len(items)} | {right}/{len(items)} | "
@@ -136,12 +131,8 @@ def main() -> None:
     if len(layouts) == 2:
         a, b = layouts
         pairs = list(zip(kept[a], kept[b], strict=True))
-        only = [
-            sum(says(x["fact"], x["answer"]) and not says(y["fact"], y["answer"]) for x, y in pairs)
-        ]
-        only.append(
-            sum(says(y["fact"], y["answer"]) and not says(x["fact"], x["answer"]) for x, y in pairs)
-        )
+        only = [sum(x["said"] and not y["said"] for x, y in pairs)]
+        only.append(sum(y["said"] and not x["said"] for x, y in pairs))
         print(f"answered in {a} only: {only[0]}; in {b} only: {only[1]}")
 
 
