@@ -7,6 +7,7 @@ Names are imported on first use (PEP 562): ``import chatctx`` (or ``chatctx.sess
 from __future__ import annotations
 
 import importlib
+from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -17,10 +18,18 @@ if TYPE_CHECKING:
         Lease,
         ModelInfo,
         Stream,
+        TextEmbedder,
         Timings,
         Usage,
     )
-    from chatctx.config import EngineConfig, GenerationSettings, Settings
+    from chatctx.config import (
+        ContextSettings,
+        ConversationSettings,
+        EngineConfig,
+        GenerationSettings,
+        Settings,
+    )
+    from chatctx.context import Summarizer
     from chatctx.engine import Engine
     from chatctx.errors import (
         BackendUnavailable,
@@ -36,13 +45,18 @@ if TYPE_CHECKING:
         KVCacheError,
         ModelError,
         StoreError,
+        SummaryError,
     )
     from chatctx.llama_server import LlamaServerBackend
     from chatctx.router import Router
     from chatctx.session import ChatSession, Reply
     from chatctx.store import Conversation, Message, Store, Turn
 
-__version__ = "0.1.0"
+# Declared once, in pyproject.toml; a source tree that was never installed has no metadata.
+try:
+    __version__ = _metadata.version("chatctx")
+except _metadata.PackageNotFoundError:  # pragma: no cover
+    __version__ = "0+unknown"
 
 _WHERE = {
     "chatctx.backend": (
@@ -52,10 +66,18 @@ _WHERE = {
         "Lease",
         "ModelInfo",
         "Stream",
+        "TextEmbedder",
         "Timings",
         "Usage",
     ),
-    "chatctx.config": ("EngineConfig", "GenerationSettings", "Settings"),
+    "chatctx.config": (
+        "ContextSettings",
+        "ConversationSettings",
+        "EngineConfig",
+        "GenerationSettings",
+        "Settings",
+    ),
+    "chatctx.context": ("Summarizer",),
     "chatctx.engine": ("Engine",),
     "chatctx.errors": (
         "BackendUnavailable",
@@ -71,6 +93,7 @@ _WHERE = {
         "KVCacheError",
         "ModelError",
         "StoreError",
+        "SummaryError",
     ),
     "chatctx.llama_server": ("LlamaServerBackend",),
     "chatctx.router": ("Router",),
@@ -88,9 +111,11 @@ __all__ = [
     "Codec",
     "ConfigError",
     "ContextBudgetError",
+    "ContextSettings",
     "ContextStateConflict",
     "Conversation",
     "ConversationNotFound",
+    "ConversationSettings",
     "DeadlineExceeded",
     "Engine",
     "EngineConfig",
@@ -110,6 +135,9 @@ __all__ = [
     "Store",
     "StoreError",
     "Stream",
+    "Summarizer",
+    "SummaryError",
+    "TextEmbedder",
     "Timings",
     "Turn",
     "Usage",

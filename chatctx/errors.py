@@ -10,6 +10,7 @@
     │   └── ImportFormatError  a malformed JSON Lines record (carries the line number)
     ├── ModelError             missing/invalid GGUF, no chat template, load failure
     ├── ContextBudgetError     the prompt cannot fit the token budget
+    ├── SummaryError           a summarizer failed (the previous summary stays)
     ├── KVCacheError           llama.cpp found no KV slot or rejected a KV operation
     ├── GenerationError        decoding failed or was aborted
     │   └── BackendUnavailable a backend (a llama-server) is down, loading or unreachable
@@ -36,6 +37,7 @@ __all__ = [
     "KVCacheError",
     "ModelError",
     "StoreError",
+    "SummaryError",
 ]
 
 
@@ -97,6 +99,10 @@ class ContextBudgetError(ChatctxError):
         self.prompt_tokens = prompt_tokens
         self.budget = budget
         self.n_ctx = n_ctx
+
+
+class SummaryError(ChatctxError):
+    """A summarizer failed; the previous summary stays."""
 
 
 class KVCacheError(ChatctxError):

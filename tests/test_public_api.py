@@ -37,3 +37,31 @@ def test_library_never_imports_click() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == "False"
+
+
+def test_what_chatsession_open_takes_is_importable_from_chatctx() -> None:
+    import inspect
+
+    from chatctx.session import ChatSession
+
+    # Every parameter type of ChatSession.open that is chatctx's own is at the top level.
+    hints = inspect.signature(ChatSession.open).parameters
+    wanted = {"ContextSettings", "GenerationSettings", "Summarizer", "TextEmbedder", "Backend"}
+    annotations = " ".join(str(p.annotation) for p in hints.values())
+    for name in wanted:
+        assert name in annotations, name  # the signature still names it
+        assert name in chatctx.__all__ and hasattr(chatctx, name), name
+
+
+def test_version_is_the_installed_distributions() -> None:
+    from importlib import metadata
+
+    assert chatctx.__version__ == metadata.version("chatctx")
+
+
+def test_summary_error_is_in_the_error_tree() -> None:
+    import chatctx.context
+    import chatctx.errors
+
+    assert chatctx.SummaryError is chatctx.errors.SummaryError is chatctx.context.SummaryError
+    assert issubclass(chatctx.SummaryError, chatctx.ChatctxError)

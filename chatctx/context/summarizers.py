@@ -21,7 +21,7 @@ from chatctx.context._facts import (
     statement_score,
     statements,
 )
-from chatctx.errors import ChatctxError
+from chatctx.errors import SummaryError
 from chatctx.store import Message
 
 __all__ = [
@@ -32,10 +32,6 @@ __all__ = [
     "parse_summary",
     "summary_limit",
 ]
-
-
-class SummaryError(ChatctxError):
-    """A summarizer failed; the previous summary stays."""
 
 
 class Summarizer(Protocol):
