@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+from pydantic import ValidationError
 from rich.console import Console
 
 from chatctx.config import Settings
@@ -58,7 +59,8 @@ def resolve_db(db: str | None) -> str:
 
 
 def handle_errors(func: F) -> F:
-    """Turn chatctx errors into a one-line message and exit status 1."""
+    """Turn chatctx errors and rejected option values into a one-line message and exit
+    status 1 (a settings model refusing a value names the option, never a traceback)."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -66,8 +68,25 @@ def handle_errors(func: F) -> F:
             return func(*args, **kwargs)
         except ChatctxError as exc:
             raise click.ClickException(str(exc)) from exc
+        except ValidationError as exc:
+            raise click.UsageError(invalid_options(exc)) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+def invalid_options(exc: ValidationError) -> str:
+    """One line for a settings model's refusal: each field as its option, with the reason
+    and the value given (``--low: Input should be less than or equal to 1 (got 1.5)``)."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        names = [str(part) for part in error["loc"] if not isinstance(part, int)]
+        reason = error["msg"].removeprefix("Value error, ")
+        given = error.get("input")
+        if not names or isinstance(given, dict):  # a check of several fields together
+            parts.append(reason)
+        else:
+            parts.append(f"--{names[-1].replace('_', '-')}: {reason} (got {given!r})")
+    return "; ".join(parts)
 
 
 def print_json(value: Any) -> None:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 
 from chatctx._resource import Closeable
 from chatctx.backend import Backend, Codec
@@ -86,6 +86,17 @@ class ReplayConfig(_Model):
         "written in the background (summarizer 'llm') is finished first, as the time a person "
         "takes to read and type would let it; back to back it may never finish.",
     )
+
+    @model_validator(mode="after")
+    def _context_is_valid(self) -> ReplayConfig:
+        # Fields valid one by one can still contradict each other (low above high): refuse
+        # them here, where the caller gave them, not in the middle of a replay.
+        try:
+            self.context()
+        except ValidationError as exc:
+            reasons = (e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            raise ValueError("; ".join(reasons)) from None
+        return self
 
     def context(self) -> ContextSettings:
         return ContextSettings(
