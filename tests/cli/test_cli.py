@@ -222,3 +222,21 @@ def test_show_and_list_print_markup_like_text_verbatim(db_url: str) -> None:
     listed = CliRunner().invoke(cli, ["conversations", "list", "--db", db_url])
     assert listed.exit_code == 0, listed.output
     assert "c[/b]" in listed.output and "[/t] title" in listed.output
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--low", "1.5"], "--low: Input should be less than or equal to 1 (got 1.5)"),
+        (["--low", "0.9", "--high", "0.5"], "low watermark 0.9 is above high watermark 0.5"),
+    ],
+)
+def test_a_refused_option_value_is_one_line_naming_it(
+    tmp_path: Path, args: list[str], named: str
+) -> None:
+    logs = tmp_path / "x.jsonl"
+    logs.write_text(SAMPLE + "\n")
+    result = CliRunner().invoke(cli, ["replay", "--dry-run", *args, str(logs)])
+    assert result.exit_code == 2, result.output
+    assert f"Error: {named}\n" in result.output
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
