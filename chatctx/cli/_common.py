@@ -59,8 +59,8 @@ def resolve_db(db: str | None) -> str:
 
 
 def handle_errors(func: F) -> F:
-    """Turn chatctx errors and rejected option values into a one-line message and exit
-    status 1 (a settings model refusing a value names the option, never a traceback)."""
+    """Turn chatctx errors into a one-line message and exit status 1, and a value a settings
+    model refuses into a usage error naming the option (exit status 2), never a traceback."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
