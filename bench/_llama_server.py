@@ -1,6 +1,6 @@
 """Helpers shared by the llama-server benchmarks: start a server, post to it, read its counters.
 
-Kept apart from ``chatctx.llama_server`` so that the raw-HTTP baselines (what a client of
+Kept apart from ``chatctx.backends.llama_server`` so that the raw-HTTP baselines (what a client of
 llama-server does without chatctx) depend on nothing but httpx and the binary.
 """
 
@@ -23,8 +23,8 @@ import httpx
 # kv_bench's naive trimming, so every baseline uses exactly what it is compared with.
 from kv_bench import trim_last as trim_last
 
-from chatctx.engine._memory import pad256 as pad256
-from chatctx.router import _score
+from chatctx.backends.router import _score
+from chatctx.model.memory import pad256 as pad256
 
 score = _score
 

@@ -24,13 +24,14 @@ from typing import Any
 import recall_bench as rb
 from llama_server_bench import RESERVE
 
-from chatctx.config import GenerationSettings
+from chatctx.backends.engine import Engine
 from chatctx.context import BuildResult, ContextBuilder
-from chatctx.engine import Engine, default_model_path
-from chatctx.engine._codec import open_codec
-from chatctx.engine._memory import pad256
+from chatctx.model.codec import open_codec
+from chatctx.model.memory import pad256
+from chatctx.model.paths import default_model_path
 from chatctx.replay import DryBackend, ReplayConfig, Replayer
 from chatctx.replay._run import _retained
+from chatctx.settings import GenerationSettings
 
 _FILLER = frozenset("the a an about around my like".split())  # noqa: SIM905
 _WORD = re.compile(r"[\w$']+")

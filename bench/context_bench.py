@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from chatctx import ChatctxError, ChatSession, Engine, Store
-from chatctx.config import ContextSettings
 from chatctx.context import ContextBuilder, ContextState, ExtractiveSummarizer
-from chatctx.engine import default_model_path
-from chatctx.engine._codec import open_codec
+from chatctx.model.codec import open_codec
+from chatctx.model.paths import default_model_path
+from chatctx.settings import ContextSettings
 from chatctx.synthetic import support_conversation
 from chatctx.testing import write_tiny_llama3
 
@@ -42,7 +42,7 @@ def counting(models: dict[str, Path]) -> None:
     print("\n## A. token counting, ~100 KB of mixed text (best of 5)")
     text = (
         (ROOT / "README.md").read_text()
-        + (ROOT / "chatctx" / "session.py").read_text()
+        + (ROOT / "chatctx" / "session" / "_session.py").read_text()
         + "한국어 텍스트 🎉 12345 " * 50
     )
     text = (text * (100_000 // len(text) + 1))[:100_000]

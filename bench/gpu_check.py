@@ -35,13 +35,13 @@ from typing import Any
 
 import llama_cpp.llama_cpp as ll
 
-from chatctx.config import GenerationSettings
-from chatctx.engine import Engine
-from chatctx.engine._memory import KV_TYPE_IDS, ModelShape, parse_allocations, plan_memory
-from chatctx.engine._native import supports_gpu_offload
-from chatctx.engine._native_info import measure_allocations, system_info
-from chatctx.engine._scheduler import PREFILL_CHUNK
+from chatctx.backends.engine import Engine
+from chatctx.backends.engine._native import supports_gpu_offload
+from chatctx.backends.engine._native_info import measure_allocations, system_info
+from chatctx.backends.engine._scheduler import PREFILL_CHUNK
+from chatctx.model.memory import KV_TYPE_IDS, ModelShape, parse_allocations, plan_memory
 from chatctx.replay import ReplayConfig, Replayer, parse_logged, replay_all, summarize
+from chatctx.settings import GenerationSettings
 from chatctx.synthetic import support_conversation
 from chatctx.testing import write_tiny_llama3
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from chatctx import ChatSession, Engine
-from chatctx.engine import default_model_path
-from chatctx.engine._codec import PromptCodec
-from chatctx.engine._kv import common_prefix
+from chatctx.model.codec import PromptCodec
+from chatctx.model.kv import common_prefix
+from chatctx.model.paths import default_model_path
 from chatctx.synthetic import support_conversation
 from chatctx.testing import write_tiny_llama3
 

@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from chatctx.engine import Engine, default_model_path
-from chatctx.engine._memory import ModelShape, parse_allocations, plan_memory
-from chatctx.engine._native import NativeContext, NativeModel
-from chatctx.engine._native_info import capture_llama_log
+from chatctx.backends.engine import Engine
+from chatctx.backends.engine._native import NativeContext, NativeModel
+from chatctx.backends.engine._native_info import capture_llama_log
+from chatctx.model.memory import ModelShape, parse_allocations, plan_memory
+from chatctx.model.paths import default_model_path
 from chatctx.replay import ReplayConfig, Replayer, parse_logged, replay_all
 from chatctx.synthetic import support_conversation
 

@@ -57,10 +57,11 @@ import _llama_server as ls
 import httpx
 import recall_bench as rb
 
-from chatctx.engine import Engine, default_model_path
-from chatctx.engine._codec import PromptCodec, open_codec
-from chatctx.engine._kv import common_prefix
-from chatctx.llama_server._http import sse_lines
+from chatctx.backends.engine import Engine
+from chatctx.backends.llama_server._http import sse_lines
+from chatctx.model.codec import PromptCodec, open_codec
+from chatctx.model.kv import common_prefix
+from chatctx.model.paths import default_model_path
 from chatctx.replay import DryBackend, LoggedConversation, ReplayConfig, Replayer
 from chatctx.replay._run import _retained
 from chatctx.synthetic import support_conversation
@@ -90,7 +91,7 @@ ROWS = {
 
 def backend_module() -> Any:
     try:
-        import chatctx.llama_server as module
+        import chatctx.backends.llama_server as module
     except ImportError:
         return None
     return module
@@ -299,7 +300,10 @@ def peers(args: argparse.Namespace) -> dict[str, Any]:
                     ]
             else:
                 if module is None:
-                    print(f"| {ROWS[key]} | (chatctx.llama_server not available) |" + " |" * 8)
+                    print(
+                        f"| {ROWS[key]} | (chatctx.backends.llama_server not available) |"
+                        + " |" * 8
+                    )
                     continue
                 extra = ["--cache-reuse", "64"] if key.startswith("e") else []
                 # Two slots: chatctx keeps the last one for summaries.
@@ -563,7 +567,7 @@ def router_scale(
     chats: dict[str, list[dict[str, str]]],
     swap_to: Sequence[Path] | None = None,
 ) -> tuple[int, int, int, float]:
-    from chatctx.router import Router
+    from chatctx.backends.router import Router
     from chatctx.session import ChatSession
     from chatctx.store import Store
 
@@ -645,7 +649,10 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
     print("|---" * 8 + "|")
     for setup in args.setups.split(","):
         if setup.startswith("router") and module is None:
-            print(f"| {SCALE_ROWS[setup]} | (chatctx.llama_server not available) |" + " |" * 6)
+            print(
+                f"| {SCALE_ROWS[setup]} | (chatctx.backends.llama_server not available) |"
+                + " |" * 6
+            )
             continue
         one = setup == "one-server"
         counts = [1] if one else [args.slots] * args.servers

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from chatctx.engine import Engine, default_model_path
-from chatctx.engine._native import NativeContext, NativeModel
+from chatctx.backends.engine import Engine
+from chatctx.backends.engine._native import NativeContext, NativeModel
+from chatctx.model.paths import default_model_path
 from chatctx.testing import serve_customers, support_customers
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,9 +23,9 @@ import recall_bench as rb
 from llama_server_bench import RESERVE, full_messages, new_tokens
 
 from chatctx.context import BuildResult, ContextBuilder
-from chatctx.engine import default_model_path
-from chatctx.engine._codec import open_codec
-from chatctx.engine._memory import pad256
+from chatctx.model.codec import open_codec
+from chatctx.model.memory import pad256
+from chatctx.model.paths import default_model_path
 from chatctx.replay import DryBackend, ReplayConfig, Replayer
 
 

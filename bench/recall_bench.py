@@ -39,8 +39,8 @@ from typing import Any
 import chatctx.replay._run as _run
 from chatctx.context import ExtractiveSummarizer
 from chatctx.context._facts import statements
-from chatctx.engine import default_model_path
-from chatctx.engine._codec import PromptCodec, open_codec
+from chatctx.model.codec import PromptCodec, open_codec
+from chatctx.model.paths import default_model_path
 from chatctx.replay import (
     LoggedConversation,
     ReplayConfig,
@@ -265,7 +265,7 @@ def _main(args: argparse.Namespace) -> None:
         defaults = ReplayConfig()
         search = SEARCH or getattr(defaults, "recall_search", "words")
         if search == "auto":
-            from chatctx.engine import embedder_available
+            from chatctx.model.embedder import embedder_available
 
             search = f"auto: {'meaning' if embedder_available() else 'words'}"
         print(

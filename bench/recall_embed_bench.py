@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from chatctx.context._recall import asks_back, group_hits, repeats
-from chatctx.engine import default_embedder_path, default_model_path
+from chatctx.model.embedder import default_embedder_path
+from chatctx.model.paths import default_model_path
 from chatctx.store import Message, Store
 
 HERE = Path(__file__).resolve().parent

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from chatctx.engine import default_model_path
+from chatctx.model.paths import default_model_path
 from chatctx.replay import ReplayConfig, Replayer, read_logs, replay_all, summarize
-from chatctx.replay._tune import sweep
+from chatctx.replay.tune import sweep
 from chatctx.synthetic import support_conversation
 
 

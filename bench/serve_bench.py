@@ -50,10 +50,10 @@ from typing import Any
 import httpx
 from _sse import SSEClient
 
-from chatctx.config import default_home
-from chatctx.engine import Engine
+from chatctx.backends.engine import Engine
 from chatctx.monitor import percentile
 from chatctx.session import ChatSession
+from chatctx.settings import default_home
 from chatctx.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from pathlib import Path
 import _llama_server as ls
 import httpx
 
-from chatctx.engine import default_model_path
+from chatctx.model.paths import default_model_path
 
 
 def main() -> None:

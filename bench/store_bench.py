@@ -31,8 +31,8 @@ from contextlib import ExitStack
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
-from chatctx.engine import default_model_path
-from chatctx.engine._codec import open_codec
+from chatctx.model.codec import open_codec
+from chatctx.model.paths import default_model_path
 from chatctx.replay import LoggedConversation, ReplayConfig, Replayer, parse_logged, replay_all
 from chatctx.store import Store
 from chatctx.testing import ThrowawayPostgres, create_database

@@ -11,7 +11,7 @@ from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chatctx.backend import (
+    from chatctx.backends.base import (
         Backend,
         Codec,
         GenerationResult,
@@ -22,15 +22,10 @@ if TYPE_CHECKING:
         Timings,
         Usage,
     )
-    from chatctx.config import (
-        ContextSettings,
-        ConversationSettings,
-        EngineConfig,
-        GenerationSettings,
-        Settings,
-    )
+    from chatctx.backends.engine import Engine
+    from chatctx.backends.llama_server import LlamaServerBackend
+    from chatctx.backends.router import Router
     from chatctx.context import Summarizer
-    from chatctx.engine import Engine
     from chatctx.errors import (
         BackendUnavailable,
         ChatctxError,
@@ -47,9 +42,14 @@ if TYPE_CHECKING:
         StoreError,
         SummaryError,
     )
-    from chatctx.llama_server import LlamaServerBackend
-    from chatctx.router import Router
     from chatctx.session import ChatSession, Reply
+    from chatctx.settings import (
+        ContextSettings,
+        ConversationSettings,
+        EngineConfig,
+        GenerationSettings,
+        Settings,
+    )
     from chatctx.store import Conversation, Message, Store, Turn
 
 # Declared once, in pyproject.toml; a source tree that was never installed has no metadata.
@@ -59,7 +59,7 @@ except _metadata.PackageNotFoundError:  # pragma: no cover
     __version__ = "0+unknown"
 
 _WHERE = {
-    "chatctx.backend": (
+    "chatctx.backends.base": (
         "Backend",
         "Codec",
         "GenerationResult",
@@ -70,7 +70,7 @@ _WHERE = {
         "Timings",
         "Usage",
     ),
-    "chatctx.config": (
+    "chatctx.settings": (
         "ContextSettings",
         "ConversationSettings",
         "EngineConfig",
@@ -78,7 +78,7 @@ _WHERE = {
         "Settings",
     ),
     "chatctx.context": ("Summarizer",),
-    "chatctx.engine": ("Engine",),
+    "chatctx.backends.engine": ("Engine",),
     "chatctx.errors": (
         "BackendUnavailable",
         "ChatctxError",
@@ -95,8 +95,8 @@ _WHERE = {
         "StoreError",
         "SummaryError",
     ),
-    "chatctx.llama_server": ("LlamaServerBackend",),
-    "chatctx.router": ("Router",),
+    "chatctx.backends.llama_server": ("LlamaServerBackend",),
+    "chatctx.backends.router": ("Router",),
     "chatctx.session": ("ChatSession", "Reply"),
     "chatctx.store": ("Conversation", "Message", "Store", "Turn"),
 }

@@ -12,8 +12,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["json_line"]
-
 _ESCAPES = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 

@@ -6,8 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["running"]
-
 
 def running(pid: int) -> bool | None:
     """True while process ``pid`` runs, False once it has ended (a zombie, killed and not yet

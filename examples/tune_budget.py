@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from chatctx.replay import read_logs
-from chatctx.replay._tune import plot, recommend, sweep, write_table
+from chatctx.replay.tune import plot, recommend, sweep, write_table
 
 HERE = Path(__file__).resolve().parent
 

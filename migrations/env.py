@@ -7,7 +7,7 @@ from alembic import context
 from chatctx.store._connect import create_db_engine
 from chatctx.store._migrate import IMMEDIATE, migration_lock
 from chatctx.store._models import Base
-from chatctx.store._search import include_name
+from chatctx.store.search import include_name
 
 config = context.config
 connection = config.attributes.get("connection")

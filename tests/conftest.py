@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from chatctx.engine import Engine, default_embedder_path, default_model_path
+from chatctx.backends.engine import Engine
 from chatctx.errors import StoreError
+from chatctx.model.embedder import default_embedder_path
+from chatctx.model.paths import default_model_path
 from chatctx.testing import ThrowawayPostgres, create_database, drop_database, write_tiny_llama3
 
 ROOT = Path(__file__).resolve().parent.parent

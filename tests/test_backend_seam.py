@@ -1,4 +1,4 @@
-"""The public, engine-free seam: chatctx.backend, lazy imports, injectable embedding."""
+"""The public, engine-free seam: chatctx.backends.base, lazy imports, injectable embedding."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-import chatctx.backend
+import chatctx.backends.base
 from chatctx import ChatSession, ConfigError
-from chatctx.backend import Backend, Codec, RenderedPrompt, TextEmbedder
+from chatctx.backends.base import Backend, Codec, RenderedPrompt, TextEmbedder
 from chatctx.context import ContextBuilder
-from chatctx.engine._codec import open_codec
+from chatctx.model.codec import open_codec
 from chatctx.replay import DryBackend
 from chatctx.store import Store
 
@@ -25,8 +25,8 @@ from chatctx.store import Store
 def test_the_seam_loads_no_engine() -> None:
     # A bot on a remote backend (or a replay's dry run) never loads libllama.
     code = (
-        "import sys; import chatctx, chatctx.backend, chatctx.session, chatctx.store, "
-        "chatctx.context, chatctx.replay, chatctx.monitor, chatctx.engine; "
+        "import sys; import chatctx, chatctx.backends.base, chatctx.session, chatctx.store, "
+        "chatctx.context, chatctx.replay, chatctx.monitor, chatctx.backends.engine; "
         "from chatctx import ChatSession, Store, Backend; "
         "print(sorted(m for m in sys.modules if 'llama_cpp' in m or m.endswith('_native')))"
     )
@@ -37,8 +37,8 @@ def test_the_seam_loads_no_engine() -> None:
 
 
 def test_backend_module_exports() -> None:
-    for name in chatctx.backend.__all__:
-        assert hasattr(chatctx.backend, name), name
+    for name in chatctx.backends.base.__all__:
+        assert hasattr(chatctx.backends.base, name), name
     assert chatctx.Backend is Backend
 
 
@@ -84,7 +84,7 @@ def test_a_plain_string_prompt_is_refused(tiny_llama3_path: Path) -> None:
 
 
 def _settings() -> Any:
-    from chatctx.config import ContextSettings
+    from chatctx.settings import ContextSettings
 
     return ContextSettings(recall=False)
 
@@ -114,7 +114,7 @@ class CountingEmbedder:
 
 
 def test_recall_uses_the_injected_embedder(tiny_llama3_path: Path) -> None:
-    from chatctx.engine import _embedder
+    from chatctx.backends.engine import _embedder
 
     embedder = CountingEmbedder()
     assert isinstance(embedder, TextEmbedder)

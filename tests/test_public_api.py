@@ -1,10 +1,10 @@
 import chatctx
-import chatctx.engine
+import chatctx.backends.engine
 import chatctx.store
 
 
 def test_all_names_exist_and_are_unique() -> None:
-    for module in (chatctx, chatctx.engine, chatctx.store):
+    for module in (chatctx, chatctx.backends.engine, chatctx.store):
         assert len(set(module.__all__)) == len(module.__all__), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
@@ -30,7 +30,7 @@ def test_library_never_imports_click() -> None:
     import sys
 
     code = (
-        "import sys, chatctx, chatctx.session, chatctx.store, chatctx.engine; "
+        "import sys, chatctx, chatctx.session, chatctx.store, chatctx.backends.engine; "
         "print('click' in sys.modules)"
     )
     out = subprocess.run(

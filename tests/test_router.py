@@ -23,7 +23,7 @@ from chatctx import (
     GenerationError,
     GenerationSettings,
 )
-from chatctx.router import SEQ_STRIDE, Router
+from chatctx.backends.router import SEQ_STRIDE, Router
 from chatctx.store import Store
 from tests.llama_counters import counted, prime_counters
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from chatctx import ChatSession, ClosedError, ConfigError, Engine, _turn_claim
-from chatctx.store import Store
+from chatctx import ChatSession, ClosedError, ConfigError, Engine
+from chatctx.store import Store, _turn_claim
 from tests.conftest import DATABASES, any_db_url
 
 GREEDY = {"max_tokens": 24, "temperature": 0.0, "repeat_penalty": 1.0}

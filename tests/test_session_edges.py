@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy import text
 
 from chatctx import ChatSession, ConfigError, Engine, StoreError
+from chatctx.backends.engine._instance import live_directories
 from chatctx.context import BackgroundSummarizer
-from chatctx.engine._instance import live_directories
 from chatctx.monitor import engines_dir
 from chatctx.store import Store
 

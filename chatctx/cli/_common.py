@@ -12,8 +12,8 @@ import click
 from pydantic import ValidationError
 from rich.console import Console
 
-from chatctx.config import Settings
 from chatctx.errors import ChatctxError
+from chatctx.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,7 +109,7 @@ def engine_options(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         cache = {key: kwargs.pop(key) for key in _CACHE_OPTIONS}
-        click.get_current_context().meta["chatctx.engine"] = {
+        click.get_current_context().meta["chatctx.backends.engine"] = {
             key: value for key, value in cache.items() if value is not None
         }
         return func(*args, **kwargs)
@@ -182,7 +182,7 @@ def build_engine_options(
         options["chat_format"] = chat_format
     context = click.get_current_context(silent=True)
     if context is not None:
-        options.update(context.meta.get("chatctx.engine", {}))
+        options.update(context.meta.get("chatctx.backends.engine", {}))
     return options
 
 

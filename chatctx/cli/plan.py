@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from chatctx.cli._common import console, handle_errors, json_option, print_json, settings
-from chatctx.engine._memory import (
+from chatctx.model.memory import (
     KV_TYPE_IDS,
     MemoryPlan,
     ModelShape,
@@ -20,7 +20,7 @@ from chatctx.engine._memory import (
     plan_memory,
     summary_room_for,
 )
-from chatctx.engine._models import resolve_model_path
+from chatctx.model.paths import resolve_model_path
 
 MIB = 1024 * 1024
 
@@ -38,7 +38,7 @@ def physical_ram() -> int | None:
 
 def gpu_total() -> int | None:
     """The first GPU's memory, through NVML when installed (the ``gpu`` extra)."""
-    from chatctx.monitor._device import gpu_memory
+    from chatctx.backends.device import gpu_memory
 
     used, free = gpu_memory()
     return None if used is None or free is None else used + free
@@ -175,8 +175,7 @@ def plan(
     worst-case graph for --n-ubatch. --vram/--ram default to the first GPU (NVML) and the
     physical memory. Exit status 1 when it does not fit.
     """
-    from chatctx.engine._native import supports_gpu_offload
-    from chatctx.engine._native_info import measure_allocations
+    from chatctx.backends.engine import measure_allocations, supports_gpu_offload
 
     env = settings()
     path = resolve_model_path(model)

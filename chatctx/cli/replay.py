@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from chatctx.backend import Backend
+from chatctx.backends.base import Backend
 from chatctx.cli._common import (
     console,
     db_option,
@@ -36,7 +36,7 @@ from chatctx.replay import (
     summarize,
     turn_rows,
 )
-from chatctx.replay._tune import plot, recommend, sweep, write_table
+from chatctx.replay.tune import PLOT_INSTALL, plot, plot_available, recommend, sweep, write_table
 from chatctx.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -140,7 +140,7 @@ def _server_backend(url: str | None, model: str | None) -> Iterator[Backend | No
     if url is None:
         yield None
         return
-    from chatctx.llama_server import LlamaServerBackend
+    from chatctx.backends.llama_server import LlamaServerBackend
 
     with LlamaServerBackend(url, model=model) as backend:
         yield backend
@@ -517,6 +517,9 @@ def tune(
     conversations = list(_limited(read_logs(files, on_error=on_error), limit))
     if not conversations:
         raise ConfigError("no conversations to tune on")
+    plotting = plot_available()
+    if not plotting:
+        console.print(f"matplotlib is not installed: no tune.png ({PLOT_INSTALL})")
     total = len(budget_list) * len(policy_list) * len(eviction_list)
     with _progress(f"{total} settings") as advance:
         rows = sweep(
@@ -530,7 +533,8 @@ def tune(
             on_step=lambda row: advance(1),
         )
     csv_file, json_file = write_table(rows, out)
-    png = plot(rows, out / "tune.png", title=f"chatctx tune: {len(conversations)} conversations")
+    title = f"chatctx tune: {len(conversations)} conversations"
+    png = plot(rows, out / "tune.png", title=title) if plotting else None
     table = Table(
         "budget",
         "policy",
@@ -563,9 +567,9 @@ def tune(
             f"--budget {best['budget']} --policy {best['policy']} "
             f"--eviction {best['eviction']}"
         )
-    console.print(f"wrote {csv_file}, {json_file}, {png}")
+    console.print(f"wrote {', '.join(str(f) for f in (csv_file, json_file, png) if f)}")
     if ubatches:
-        from chatctx.replay._tune import sweep_ubatch, write_ubatch_table
+        from chatctx.replay.tune import sweep_ubatch, write_ubatch_table
 
         with _progress(f"{len(budget_list) * len(ubatches)} micro-batch sizes") as advance:
             ub_rows = sweep_ubatch(

@@ -1,10 +1,10 @@
 """Context building: exact budgets, whole-turn eviction, running summaries, plans."""
 
+from chatctx.backends.base import Codec
 from chatctx.context._abridge import Cut
 from chatctx.context._background import BackgroundSummarizer
 from chatctx.context._builder import (
     BuildResult,
-    Codec,
     ContextBuilder,
     ContextPlan,
     ContextState,

@@ -40,10 +40,8 @@ from dataclasses import dataclass
 
 from chatctx.context._facts import identifiers, sentence_spans
 from chatctx.context.summarizers import parse_summary
-from chatctx.engine._kv import plan_in_order
+from chatctx.model.kv import plan_in_order
 from chatctx.store import Message
-
-__all__ = ["CUT_ROOM", "Cut", "Cutter", "abridge", "summary_items"]
 
 _WORD = re.compile(r"[a-z0-9]+")
 _WORD_RUN = re.compile(r"\S+")

@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-from chatctx.backend import Codec, RenderedPrompt
-from chatctx.config import ContextSettings
+from chatctx.backends.base import Codec, RenderedPrompt
 from chatctx.context._abridge import CUT_ROOM, Cut, Cutter, abridge
 from chatctx.context._layout import SUMMARY_HEADER, Block, next_blocks, render
 from chatctx.context._recall import (
@@ -36,8 +35,9 @@ from chatctx.context._recall import (
 )
 from chatctx.context._turns import group_turns, id_ranges
 from chatctx.context.summarizers import ExtractiveSummarizer, Summarizer, summary_limit
-from chatctx.engine._kv import SERVER_MIN_CHUNK
 from chatctx.errors import ConfigError, ContextBudgetError
+from chatctx.model.kv import SERVER_MIN_CHUNK
+from chatctx.settings import ContextSettings
 from chatctx.store import Message
 
 logger = logging.getLogger("chatctx.context")
@@ -784,14 +784,3 @@ class ContextBuilder:
             at, i = end, j
         sections["reserve"] = reserve
         return sections, at if history_start is None else history_start
-
-
-__all__ = [
-    "BuildResult",
-    "Codec",
-    "ContextBuilder",
-    "ContextPlan",
-    "ContextState",
-    "RecallSearch",
-    "TokenCache",
-]

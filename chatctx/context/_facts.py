@@ -27,22 +27,7 @@ import re
 from dataclasses import dataclass
 from importlib.resources import files
 
-from chatctx.store._search import STOPWORDS
-
-__all__ = [
-    "EMPTY_WORDS",
-    "FACTS_PREFIX",
-    "Statement",
-    "fact_set",
-    "identifiers",
-    "line_key",
-    "sentence_spans",
-    "sentences",
-    "specific_words",
-    "statement",
-    "statement_score",
-    "statements",
-]
+from chatctx.store.search import STOPWORDS
 
 FACTS_PREFIX = "Facts: "
 

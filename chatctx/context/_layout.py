@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["MAX_BLOCKS", "SUMMARY_HEADER", "SUMMARY_MORE", "Block", "next_blocks", "render"]
-
 SUMMARY_HEADER = "Summary of the earlier conversation (older turns are not shown):\n"
 SUMMARY_MORE = "Summary of the earlier conversation, continued:\n"
 MAX_BLOCKS = 8  # then the summary is sent again as one block (one re-evaluation)

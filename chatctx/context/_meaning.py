@@ -3,9 +3,9 @@
 A question rarely repeats the words of the fact it asks about ("what can't I eat?" for "I'm
 allergic to shellfish"), so full-text search alone misses most of them. ``MeaningSearch``
 embeds the new message and the conversation's earlier messages with a sentence embedder
-(``chatctx.engine.Embedder``) and ranks the earlier ones by cosine similarity. A chat message
-often says several things ("step one would be to listen. the jeep needs new tires before the
-trip"), so each sentence is embedded too and a message scores as its closest part. A message
+(``chatctx.backends.engine.Embedder``) and ranks the earlier ones by cosine similarity. A chat
+message often says several things ("step one would be to listen. the jeep needs new tires before
+the trip"), so each sentence is embedded too and a message scores as its closest part. A message
 below ``min_similarity`` is not a match.
 
 Two priors then order the matches. A question states nothing, so a sentence that asks scores
@@ -33,9 +33,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from chatctx.config import ContextSettings
 from chatctx.context._recall import sentences
 from chatctx.errors import StoreError
+from chatctx.settings import ContextSettings
 from chatctx.store import Message
 
 logger = logging.getLogger("chatctx.context")

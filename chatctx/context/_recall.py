@@ -15,7 +15,7 @@ from typing import Protocol
 
 from chatctx.context._facts import EMPTY_WORDS
 from chatctx.store import Message
-from chatctx.store._search import query_terms, stem_prefix
+from chatctx.store.search import query_terms, stem_prefix
 
 RECALL_HEADER = "Recalled from earlier:\n"
 SNIPPET_GAP = " … "

@@ -1,6 +1,6 @@
 """The cache monitor: per-turn KV records, aggregates, the slot table and a Prometheus text."""
 
-from chatctx.monitor._device import MemorySnapshot, gpu_memory, memory_snapshot, rss_bytes
+from chatctx.backends.device import MemorySnapshot, gpu_memory, memory_snapshot, rss_bytes
 from chatctx.monitor._prometheus import prometheus_text
 from chatctx.monitor._slots import (
     SLOT_TABLE_VERSION,

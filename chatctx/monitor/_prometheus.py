@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from chatctx.monitor._device import MemorySnapshot
+from chatctx.backends.device import MemorySnapshot
 from chatctx.monitor._slots import SWAP_PLACES, SlotTable
 from chatctx.monitor._stats import BackendTotals, swap_totals, totals
 from chatctx.store import Turn

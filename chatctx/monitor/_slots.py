@@ -24,8 +24,8 @@ from typing import Any
 
 from chatctx._files import write_atomic
 from chatctx._process import running
-from chatctx.config import default_home
 from chatctx.errors import StoreError
+from chatctx.settings import default_home
 
 SLOT_TABLE_VERSION = 1
 # Counters the engine keeps (since it started). A table without one reads it as 0, so a
@@ -72,7 +72,7 @@ def live_slot_tables(root: Path | None = None) -> list[tuple[Path, SlotTable]]:
     """The slot tables of every engine still running under ``root`` (default
     ``engines_dir()``), oldest directory name first; an engine that has not written one yet
     is left out. A live engine's unreadable table is a ``StoreError``."""
-    from chatctx.engine._instance import live_directories  # no llama.cpp: files and locks
+    from chatctx.backends.engine import live_directories  # no llama.cpp: files and locks
 
     out = []
     for directory in live_directories(root or engines_dir()):

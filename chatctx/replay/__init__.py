@@ -1,6 +1,6 @@
 """Replaying logged conversations and tuning budgets and policies."""
 
-from chatctx.replay._dry import DryBackend
+from chatctx.backends.dry import DryBackend
 from chatctx.replay._input import LoggedConversation, Probe, parse_logged, read_logs
 from chatctx.replay._run import (
     ConversationReport,

@@ -6,7 +6,7 @@ Either may carry ``"probes": [{"fact": "NH-48213", "asked_turn": 12}]`` (see
 ``chatctx.synthetic``). Files may be gzip-compressed; ``-`` reads standard input.
 
 Lines are untrusted and read as strictly as ``chatctx conversations import`` reads them
-(``chatctx.store._jsonl.load_line``): at most 16 MiB, UTF-8, strict JSON, at most 64 levels
+(``chatctx.store.jsonl.load_line``): at most 16 MiB, UTF-8, strict JSON, at most 64 levels
 deep, no lone surrogates (refused, not replaced). Every field is type-checked; a bad line is an
 ``ImportFormatError`` naming ``FILE:LINE``, which ``read_logs(on_error="skip")`` reports and
 steps over.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from chatctx.errors import ImportFormatError
-from chatctx.store._jsonl import (
+from chatctx.store.jsonl import (
     MAX_NAME_CHARS,
     READ_ERRORS,
     LineRef,
@@ -166,7 +166,7 @@ def parse_logged(text: str | bytes, *, line: int, source: str = "<input>") -> Lo
     """One JSON Lines record in either format (text or raw bytes); errors name file and line.
 
     The line is read as strictly as ``chatctx conversations import`` reads it (size, UTF-8,
-    nesting, lone surrogates, NaN: see ``chatctx.store._jsonl``) and every field is type-checked.
+    nesting, lone surrogates, NaN: see ``chatctx.store.jsonl``) and every field is type-checked.
     """
     ref = LineRef(line, source)
     data = load_line(text, ref)

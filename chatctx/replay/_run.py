@@ -18,18 +18,17 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from chatctx._resource import Closeable
-from chatctx.backend import Backend, Codec
-from chatctx.config import ContextSettings, GenerationSettings, _Model
+from chatctx.backends.base import Backend, Codec
+from chatctx.backends.dry import DryBackend
 from chatctx.context import BackgroundSummarizer, ContextPlan, summary_limit
-from chatctx.engine._codec import open_codec
-from chatctx.engine._models import resolve_model_path
 from chatctx.errors import ChatctxError, ConfigError, ModelError
+from chatctx.model.codec import open_codec
+from chatctx.model.paths import resolve_model_path
 from chatctx.monitor import totals
-from chatctx.replay._dry import DryBackend
 from chatctx.replay._input import LoggedConversation
-from chatctx.replay._store import ReplayStore
 from chatctx.session import ChatSession
-from chatctx.store import Store, Turn
+from chatctx.settings import ContextSettings, GenerationSettings, _Model
+from chatctx.store import ReplayStore, Store, Turn
 
 Mode = Literal["teacher", "regenerate", "dry"]
 
@@ -277,7 +276,7 @@ class Replayer(Closeable):
                     < config.budget
                 ):
                     n_ctx += 64
-            from chatctx.engine import Engine  # a live run: llama.cpp in this process
+            from chatctx.backends.engine import Engine  # a live run: llama.cpp in this process
 
             backend = Engine.load(model, n_ctx=n_ctx, n_seq_max=2)
             self._owns_backend = True
@@ -291,7 +290,7 @@ class Replayer(Closeable):
         try:
             return open_codec(path)
         except ModelError:  # a vocabulary tiktoken cannot mirror: ask llama.cpp (vocab only)
-            from chatctx.engine import Engine
+            from chatctx.backends.engine import Engine
 
             with Engine.load(path, n_ctx=256) as engine:
                 return engine.codec()

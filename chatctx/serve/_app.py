@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from chatctx import __version__
-from chatctx.backend import Backend
+from chatctx.backends.base import Backend
 from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import install_handlers
 from chatctx.serve._http import ServeMiddleware
@@ -17,8 +17,6 @@ from chatctx.serve._page import page_router
 from chatctx.serve._routes import router
 from chatctx.serve._service import Service
 from chatctx.store import Store
-
-__all__ = ["create_app"]
 
 
 def create_app(

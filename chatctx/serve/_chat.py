@@ -29,7 +29,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from chatctx._json import json_line
-from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.errors import ChatctxError, ConversationNotFound
 from chatctx.serve._errors import APIError, error_body, from_chatctx, stored_already
 from chatctx.serve._schemas import (
@@ -43,9 +42,8 @@ from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateles
 from chatctx.serve._tenants import Tenant
 from chatctx.serve._turn import Cut, TurnRun
 from chatctx.session import ChatSession
+from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.store import Store
-
-__all__ = ["chat_completion"]
 
 logger = logging.getLogger("chatctx.serve")
 

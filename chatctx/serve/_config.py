@@ -14,8 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatctx.errors import ConfigError
 
-__all__ = ["Limits", "ServeConfig", "build_config_from", "check_bind", "load_api_keys"]
-
 # A tenant name is a prefix of the stored conversation id (``tenant:id``): it may not hold
 # the separator, so one tenant's ids can never be spelled as another's.
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

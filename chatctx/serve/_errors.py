@@ -38,8 +38,6 @@ from chatctx.errors import (
     StoreError,
 )
 
-__all__ = ["APIError", "error_body", "from_chatctx", "install_handlers", "stored_already"]
-
 logger = logging.getLogger("chatctx.serve")
 
 _TYPES = {

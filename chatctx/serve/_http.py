@@ -18,8 +18,6 @@ from chatctx._json import json_line
 from chatctx.serve._errors import APIError
 from chatctx.serve._service import Service
 
-__all__ = ["LOG_KEY", "ServeMiddleware"]
-
 access_logger = logging.getLogger("chatctx.serve.access")
 LOG_KEY = "chatctx.log"  # the scope key routes add access log fields to
 # Answered while draining: probes and scrapes go on until the process exits.

@@ -10,8 +10,6 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 
-__all__ = ["ServeMetrics"]
-
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

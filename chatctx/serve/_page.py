@@ -22,8 +22,6 @@ from chatctx.serve._routes import ServiceDep, TenantDep, slot_table
 from chatctx.serve._service import Service
 from chatctx.serve._tenants import Tenant
 
-__all__ = ["cache_view", "page_router"]
-
 page_router = APIRouter()
 RECENT_TURNS = 50
 

@@ -22,8 +22,6 @@ from chatctx.serve._service import Service
 from chatctx.serve._tenants import Tenant
 from chatctx.store import Store, current_revision, export_conversation, head_revision
 
-__all__ = ["router"]
-
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="An API key from --api-keys.")
 ConversationId = Annotated[str, Path(pattern=CONVERSATION_ID, max_length=128)]

@@ -16,13 +16,11 @@ from types import FrameType
 
 import uvicorn
 
+from chatctx.backends.router import backends_from_env
 from chatctx.errors import ConfigError
-from chatctx.router import backends_from_env
 from chatctx.serve._app import create_app
 from chatctx.serve._config import ServeConfig, check_bind
 from chatctx.serve._service import Service, server_backend_class
-
-__all__ = ["DrainingServer", "serve"]
 
 logger = logging.getLogger("chatctx.serve")
 

@@ -13,17 +13,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = [
-    "CONVERSATION_ID",
-    "ChatCompletionRequest",
-    "ChatMessage",
-    "ErrorResponse",
-    "StreamOptions",
-    "TextPart",
-    "completion",
-    "completion_chunk",
-]
-
 # Conversation ids as clients give them: no whitespace, no "/" (they live in URL paths).
 CONVERSATION_ID = r"^[A-Za-z0-9_.:@+=-]{1,128}$"
 MAX_SEED = 2**32 - 1

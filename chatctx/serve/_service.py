@@ -18,9 +18,15 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from chatctx._turn_claim import new_owner, try_claim
-from chatctx.backend import Backend, Codec, Lease, MemorySnapshot, ModelInfo, Stream, TextEmbedder
-from chatctx.config import ContextSettings, GenerationSettings, Settings
+from chatctx.backends.base import (
+    Backend,
+    Codec,
+    Lease,
+    MemorySnapshot,
+    ModelInfo,
+    Stream,
+    TextEmbedder,
+)
 from chatctx.errors import ChatctxError, ConfigError, DeadlineExceeded
 from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import APIError
@@ -28,9 +34,8 @@ from chatctx.serve._metrics import ServeMetrics
 from chatctx.serve._tenants import ConversationLocks, Tenancy, TurnLimiter
 from chatctx.serve._turn import Cut
 from chatctx.session import ChatSession
-from chatctx.store import Store
-
-__all__ = ["Service", "make_backend", "server_backend_class"]
+from chatctx.settings import ContextSettings, GenerationSettings, Settings
+from chatctx.store import Store, new_owner, try_claim
 
 logger = logging.getLogger("chatctx.serve")
 
@@ -64,7 +69,7 @@ def make_backend(
     local engine. With servers, ``model`` is the GGUF the local tokenizer reads, and
     ``slot_save_path`` their ``--slot-save-path``: slots given away are swapped there (at
     most ``swap_disk_mb``)."""
-    from chatctx.router import backends_from_env
+    from chatctx.backends.router import backends_from_env
 
     urls = list(backend_urls) or backends_from_env()
     if urls:
@@ -78,10 +83,10 @@ def make_backend(
         if len(backends) == 1:
             backend: Backend = backends[0]
             return backend
-        from chatctx.router import Router
+        from chatctx.backends.router import Router
 
         return Router(backends, store=store, own=True)
-    from chatctx.engine import Engine
+    from chatctx.backends.engine import Engine
 
     return Engine.load(model, **engine_options)
 

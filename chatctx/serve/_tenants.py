@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 from chatctx.serve._errors import APIError
 
-__all__ = ["ConversationLocks", "Tenancy", "Tenant", "TurnLimiter"]
-
 
 @dataclass(frozen=True, slots=True)
 class Tenant:

@@ -14,10 +14,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from chatctx.config import GenerationSettings
 from chatctx.session import ChatSession, Reply
-
-__all__ = ["Cut", "TurnRun"]
+from chatctx.settings import GenerationSettings
 
 logger = logging.getLogger("chatctx.serve")
 

@@ -25,8 +25,6 @@ from chatctx.store._caches import insert_if_missing
 from chatctx.store._connect import _retry_busy
 from chatctx.store._models import TurnClaimRow, utcnow
 
-__all__ = ["TurnClaimStore"]
-
 
 class TurnClaimStore:
     """``Store``'s turn-claim methods (mixed in; ``_session`` is the store's transaction)."""

@@ -658,7 +658,7 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
         message right after it (when that one is searchable and not listed already), with the
         same score, so callers can recall the exchange as a whole.
         """
-        from chatctx.store import _search  # local: the rest of this module stays unaware
+        from chatctx.store import search as _search  # local: the rest of this module stays unaware
 
         with self._session() as session:
             found = _search.search(

@@ -19,7 +19,6 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 
-import chatctx
 from chatctx.errors import StoreError
 
 # Execution option: on SQLite, a connection carrying it begins with BEGIN IMMEDIATE (see _connect).
@@ -30,7 +29,7 @@ _PG_LOCK_KEY = zlib.crc32(b"chatctx.migrations")
 
 def migrations_dir() -> Path:
     """The Alembic script directory: bundled in the wheel, or ``migrations/`` in a checkout."""
-    package = Path(chatctx.__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # chatctx/
     for candidate in (package / "_migrations", package.parent / "migrations"):
         if (candidate / "env.py").is_file():
             return candidate

@@ -19,8 +19,6 @@ from chatctx.store._caches import insert_if_missing
 from chatctx.store._connect import _retry_busy
 from chatctx.store._models import PlacementRow, utcnow
 
-__all__ = ["Placement", "PlacementStore"]
-
 
 @dataclass(frozen=True, slots=True)
 class Placement:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from chatctx.backends.engine import Engine
 from chatctx.cli import cli
-from chatctx.engine import Engine
 from chatctx.store import Store
 
 SAMPLE = Path(__file__).parents[1] / "monitor" / "data" / "slots_v1.json"

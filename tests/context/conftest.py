@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from chatctx.engine._codec import TiktokenCodec, open_codec
+from chatctx.model.codec import TiktokenCodec, open_codec
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from chatctx import ChatSession
 from chatctx.cli import cli
 from chatctx.context import ContextBuilder
 from chatctx.context._abridge import Cut, Cutter, abridge
-from chatctx.engine._codec import TiktokenCodec
+from chatctx.model.codec import TiktokenCodec
 from chatctx.replay import DryBackend
 from chatctx.store import Message
 from tests.walk import cut_of, server_walk

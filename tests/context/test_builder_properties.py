@@ -9,7 +9,6 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatctx.config import ContextSettings
 from chatctx.context import (
     SUMMARY_HEADER,
     BuildResult,
@@ -17,8 +16,9 @@ from chatctx.context import (
     ContextState,
     ExtractiveSummarizer,
 )
-from chatctx.engine._codec import TiktokenCodec
 from chatctx.errors import ContextBudgetError
+from chatctx.model.codec import TiktokenCodec
+from chatctx.settings import ContextSettings
 from chatctx.store import Message
 
 from .strategies import histories, sizes, text

@@ -14,7 +14,7 @@ import pytest
 
 from chatctx.context import ExtractiveSummarizer
 from chatctx.context._facts import THRESHOLD, sentences, statement, statements
-from chatctx.engine._codec import TiktokenCodec
+from chatctx.model.codec import TiktokenCodec
 from chatctx.store import Message
 
 STATEMENTS = [

@@ -17,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatctx.config import ContextSettings
 from chatctx.context import (
     RECALL_HEADER,
     SUMMARY_HEADER,
@@ -28,8 +27,9 @@ from chatctx.context import (
     ExtractiveSummarizer,
 )
 from chatctx.context._layout import MAX_BLOCKS, next_blocks, render
-from chatctx.engine._codec import TiktokenCodec
-from chatctx.engine._kv import plan_in_order
+from chatctx.model.codec import TiktokenCodec
+from chatctx.model.kv import plan_in_order
+from chatctx.settings import ContextSettings
 from chatctx.store import Message
 from tests.walk import cut_of, kept_in, server_walk
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from chatctx import ChatSession, Engine
-from chatctx.config import ContextSettings
+from chatctx.backends.engine import Embedder, shared_embedder
 from chatctx.context import RECALL_HEADER, ContextBuilder, ContextState, MeaningSearch
-from chatctx.engine import Embedder, shared_embedder
-from chatctx.engine._codec import TiktokenCodec
+from chatctx.model.codec import TiktokenCodec
+from chatctx.settings import ContextSettings
 from chatctx.store import Message, Store
 
 from .test_recall import assert_prefix_stable

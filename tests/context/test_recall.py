@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from chatctx.config import ContextSettings
 from chatctx.context import RECALL_HEADER, BuildResult, ContextBuilder, ContextState
 from chatctx.context._recall import Hit, asks_back, fit_recall, is_question, render_section
-from chatctx.engine._codec import TiktokenCodec
+from chatctx.model.codec import TiktokenCodec
+from chatctx.settings import ContextSettings
 from chatctx.store import Message, Store
 
 SYSTEM = "You are a friendly assistant."

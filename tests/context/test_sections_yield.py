@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from chatctx.config import ContextSettings
 from chatctx.context import SUMMARY_HEADER, ContextBuilder, ContextState, ExtractiveSummarizer
-from chatctx.engine._codec import TiktokenCodec
 from chatctx.errors import ContextBudgetError
+from chatctx.model.codec import TiktokenCodec
+from chatctx.settings import ContextSettings
 from chatctx.store import Store
 
 SYSTEM = "You are a helpful assistant."

@@ -1,5 +1,5 @@
 from chatctx.context import ExtractiveSummarizer, LLMSummarizer
-from chatctx.engine._codec import TiktokenCodec
+from chatctx.model.codec import TiktokenCodec
 from chatctx.store import Message
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from chatctx.config import ContextSettings
 from chatctx.context import BuildResult, ContextBuilder, ContextState, LLMSummarizer
 from chatctx.context._builder import MAX_PENDING
-from chatctx.engine._codec import TiktokenCodec
+from chatctx.model.codec import TiktokenCodec
+from chatctx.settings import ContextSettings
 from chatctx.store import Message, Store
 
 TIMEOUT = 10.0

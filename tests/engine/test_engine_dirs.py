@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from chatctx import ChatSession, Engine
-from chatctx.engine._instance import live_directories
+from chatctx.backends.engine._instance import live_directories
 from chatctx.store import Store
 
 ROUNDS = 4

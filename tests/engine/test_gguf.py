@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from chatctx.engine import model_facts, read_metadata
 from chatctx.errors import ModelError
+from chatctx.model.gguf import model_facts, read_metadata
 
 
 def test_smollm2_facts(smollm2_path: Path) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from chatctx.backends.engine import Engine
 from chatctx.context import ContextBuilder, ContextState
-from chatctx.engine import Engine
-from chatctx.engine._codec import LlamaCodec, PromptCodec, open_codec
+from chatctx.model.codec import LlamaCodec, PromptCodec, open_codec
 from chatctx.testing import LLAMA3_BOS
 
 START_HEADER = 128006  # <|start_header_id|>

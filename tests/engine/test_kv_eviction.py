@@ -21,7 +21,7 @@ import pytest
 
 from chatctx import ChatSession, Engine, GenerationResult, Store
 from chatctx.context import BackgroundSummarizer
-from chatctx.engine import plan_reuse
+from chatctx.model.kv import plan_reuse
 from chatctx.synthetic import support_conversation
 from chatctx.testing import write_tiny_llama3
 from tests.llama_counters import counted, prime_counters

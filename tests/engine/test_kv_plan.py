@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatctx.engine import plan_reuse
+from chatctx.model.kv import plan_reuse
 
 HEAD = list(range(1000, 1020))  # system prompt
 A = list(range(2000, 2040))  # an evicted turn

@@ -1,7 +1,7 @@
 """Exact Llama 3 token accounting with the real vocabulary and Meta's template."""
 
-from chatctx.config import GenerationSettings
-from chatctx.engine import Engine
+from chatctx.backends.engine import Engine
+from chatctx.settings import GenerationSettings
 from chatctx.testing import llama3_vocab_path
 
 BOS, START_HEADER, END_HEADER, EOT = 128000, 128006, 128007, 128009

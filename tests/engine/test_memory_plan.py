@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
-from chatctx.config import EngineConfig
-from chatctx.engine import Engine
-from chatctx.engine._gguf import TensorInfo
-from chatctx.engine._memory import (
+from chatctx.backends.engine import Engine
+from chatctx.backends.engine._native import NativeContext, NativeModel
+from chatctx.backends.engine._native_info import capture_llama_log, measure_allocations
+from chatctx.errors import ConfigError, ModelError
+from chatctx.model.gguf import TensorInfo
+from chatctx.model.memory import (
     GGML_TYPES,
     ModelShape,
     kv_cells,
@@ -20,9 +22,7 @@ from chatctx.engine._memory import (
     plan_memory,
     resolve_flash_attn,
 )
-from chatctx.engine._native import NativeContext, NativeModel
-from chatctx.engine._native_info import capture_llama_log, measure_allocations
-from chatctx.errors import ConfigError, ModelError
+from chatctx.settings import EngineConfig
 from chatctx.testing import write_tiny_llama3
 
 
@@ -192,12 +192,12 @@ def test_rope_settings_reach_llama_cpp_and_overflow_warns(
     tiny32_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # tiny32 was trained on 1,024 positions
-    with caplog.at_level(logging.WARNING, logger="chatctx.engine"):
+    with caplog.at_level(logging.WARNING, logger="chatctx.backends.engine"):
         lines = _context(tiny32_path)
     assert any("exceeds the model's trained context 1024" in r.message for r in caplog.records)
     assert any("freq_scale" in m and m.rstrip().endswith("= 1") for m in lines)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="chatctx.engine"):
+    with caplog.at_level(logging.WARNING, logger="chatctx.backends.engine"):
         lines = _context(
             tiny32_path, rope_scaling="linear", rope_freq_scale=0.5, rope_freq_base=10000.0
         )
@@ -212,7 +212,7 @@ def test_block_rule_is_llama_cpps_own(
     tiny_llama3_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without chatctx's check, llama.cpp refuses the same q8_0 cache on 16-value heads."""
-    import chatctx.engine._memory as memory
+    import chatctx.model.memory as memory
 
     monkeypatch.setattr(memory, "check_kv_types", lambda *args: None)
     model = NativeModel(tiny_llama3_path)

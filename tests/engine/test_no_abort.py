@@ -74,7 +74,7 @@ def test_close_ends_a_stream_running_in_another_thread(tiny_llama3_path: Path) -
     import threading
 
     from chatctx import Engine
-    from chatctx.config import GenerationSettings
+    from chatctx.settings import GenerationSettings
 
     # The tiny model makes 400 tokens in about 0.5 s here, and llama.cpp's threads can keep
     # this thread from running that long on 2 cores: a reply long enough to outlast that.

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from chatctx import ConfigError, DeadlineExceeded, Engine, GenerationError, GenerationSettings
-from chatctx.backend import Lease
-from chatctx.engine._scheduler import PREFILL_CHUNK
-from chatctx.engine._slots import SlotPool
-from chatctx.engine._swap import SwapHit
+from chatctx.backends.base import Lease
+from chatctx.backends.engine._scheduler import PREFILL_CHUNK
+from chatctx.backends.pool import SlotPool
+from chatctx.backends.swap import SwapHit
 from tests.llama_counters import counted, prime_counters
 
 GREEDY = GenerationSettings(temperature=0.0, max_tokens=400, repeat_penalty=1.0)

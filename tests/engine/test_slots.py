@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from chatctx import ChatSession
-from chatctx.config import GenerationSettings
-from chatctx.engine import Engine
+from chatctx.backends.engine import Engine
 from chatctx.errors import ConfigError
+from chatctx.settings import GenerationSettings
 from chatctx.store import Store
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "repeat_penalty": 1.0}
@@ -316,7 +316,7 @@ def test_async_turns_match_sync_ones(tiny_llama3_path: Path) -> None:
 
 
 def test_a_long_prefill_does_not_stall_running_streams(tiny_llama3_path: Path) -> None:
-    from chatctx.engine._scheduler import PREFILL_CHUNK
+    from chatctx.backends.engine._scheduler import PREFILL_CHUNK
 
     settings = GenerationSettings(temperature=0.0, max_tokens=400, repeat_penalty=1.0)
     with Engine.load(tiny_llama3_path, n_ctx=1024, slots=2, n_batch=1024) as engine:
@@ -385,7 +385,7 @@ def test_states_in_ram_survive_a_restart(tiny_llama3_path: Path, tmp_path: Path)
 
 
 def test_the_prefill_chunk_is_a_setting(tiny_llama3_path: Path) -> None:
-    from chatctx.engine._scheduler import PREFILL_CHUNK
+    from chatctx.backends.engine._scheduler import PREFILL_CHUNK
 
     # No GPU here: unset, it is the CPU's 256; set, prompts go in chunks ending at its
     # multiples, and never more than n_batch.

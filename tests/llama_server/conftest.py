@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOTS = 4  # three customers' slots and the summary slot

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from chatctx import BackendUnavailable, ConfigError, ContextBudgetError
-from chatctx.backend import Backend
-from chatctx.config import GenerationSettings
+from chatctx.backends.base import Backend
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess, free_port
 from chatctx.errors import GenerationError
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess, free_port
+from chatctx.settings import GenerationSettings
 from tests.llama_server.conftest import N_CTX, SLOTS
 
 pytestmark = pytest.mark.slow

@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from chatctx import ChatSession, ClosedError, DeadlineExceeded
-from chatctx.config import GenerationSettings
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.llama_server._http import sse_event
+from chatctx.backends.llama_server._stream import ServerStream
 from chatctx.errors import GenerationError
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
-from chatctx.llama_server._http import sse_event
-from chatctx.llama_server._stream import ServerStream
+from chatctx.settings import GenerationSettings
 from chatctx.store import Store
 
 pytestmark = pytest.mark.slow

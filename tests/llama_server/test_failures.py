@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from chatctx import BackendUnavailable, ChatSession
-from chatctx.config import GenerationSettings
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.settings import GenerationSettings
 from chatctx.store import Store
 from tests.llama_server.conftest import start_server
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from chatctx import ChatSession
-from chatctx.config import ContextSettings, GenerationSettings
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
 from chatctx.context import RECALL_HEADER
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.settings import ContextSettings, GenerationSettings
 from tests.llama_server.conftest import start_server
 from tests.walk import cut_of, kept_in
 

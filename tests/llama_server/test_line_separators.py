@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from chatctx.backend import KVReport
-from chatctx.llama_server._stream import ServerStream
+from chatctx.backends.base import KVReport
+from chatctx.backends.llama_server._stream import ServerStream
 from tests.llama_server.conftest import start_server
 
 FORCED = "a\u2028b\u0085c"

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from chatctx import ChatSession, Engine
-from chatctx.config import ContextSettings, GenerationSettings
-from chatctx.engine import common_prefix
-from chatctx.engine._codec import PromptCodec
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.model.codec import PromptCodec
+from chatctx.model.kv import common_prefix
+from chatctx.settings import ContextSettings, GenerationSettings
 from tests.llama_server.conftest import N_CTX, SLOTS
 from tests.walk import server_walk
 

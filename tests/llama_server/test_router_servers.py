@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from chatctx import BackendUnavailable, ChatSession, DeadlineExceeded
-from chatctx.config import GenerationSettings
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
-from chatctx.router import Router
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.router import Router
+from chatctx.settings import GenerationSettings
 from chatctx.store import Store
 from tests.llama_server.conftest import start_server
 

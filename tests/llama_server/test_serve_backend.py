@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 from openai import OpenAI
 
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
-from chatctx.llama_server._slot_files import swap_filename
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.llama_server._slot_files import swap_filename
 from chatctx.serve import Limits, ServeConfig, create_app
 from chatctx.store import Store
 from tests.llama_server.conftest import start_server

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from chatctx import ChatSession, ConfigError
-from chatctx.config import ContextSettings, GenerationSettings
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.settings import ContextSettings, GenerationSettings
 from chatctx.store import Store
 from tests.llama_server.conftest import SLOTS
 

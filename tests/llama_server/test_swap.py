@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from chatctx import ChatSession, ConfigError
-from chatctx.config import GenerationSettings
-from chatctx.llama_server import LlamaServerBackend
-from chatctx.llama_server._slot_files import DROPPED, swap_filename
+from chatctx.backends.llama_server import LlamaServerBackend
+from chatctx.backends.llama_server._slot_files import DROPPED, swap_filename
+from chatctx.settings import GenerationSettings
 from tests.llama_server.conftest import start_server
 
 pytestmark = pytest.mark.slow
@@ -153,7 +153,7 @@ def test_swap_files_out_of_sight_are_left_with_a_warning(
     assert folder is not None
     elsewhere = tmp_path / "not-the-servers"
     elsewhere.mkdir()
-    caplog.set_level(logging.WARNING, logger="chatctx.llama_server")
+    caplog.set_level(logging.WARNING, logger="chatctx.backends.llama_server")
     try:
         with LlamaServerBackend(
             server.url, model=smollm2_path, slot_save_path=elsewhere, swap=True, swap_disk_mb=1

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from chatctx.llama_server import LlamaServerBackend, LlamaServerProcess
+from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
 from tests.engine.test_codec import CORPUS
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,9 @@ def corpus() -> list[str]:
                 record = json.loads(line)
                 texts += [str(m.get("content") or "") for m in record.get("messages", [])]
     texts.append((ROOT / "README.md").read_text(encoding="utf-8"))
-    texts.append((ROOT / "chatctx" / "llama_server" / "_backend.py").read_text(encoding="utf-8"))
+    texts.append(
+        (ROOT / "chatctx" / "backends" / "llama_server" / "_backend.py").read_text(encoding="utf-8")
+    )
     return texts
 
 
@@ -95,7 +97,7 @@ def test_the_backend_loads_no_llama_cpp() -> None:
     import sys
 
     code = (
-        "import sys; from chatctx.llama_server import LlamaServerBackend; "
+        "import sys; from chatctx.backends.llama_server import LlamaServerBackend; "
         "print(sorted(m for m in sys.modules if 'llama_cpp' in m or m.endswith('_native')))"
     )
     out = subprocess.run(
@@ -110,7 +112,7 @@ def test_a_vocabulary_tiktoken_cannot_mirror_is_counted_by_the_server(
     # When the local vocabulary cannot be mirrored (forced here), the codec asks the server's
     # /tokenize: its prompts and counts must equal the mirrored codec's (itself proven equal
     # to the server above), user text must stay out of special tokens, and a session runs.
-    import chatctx.llama_server._codec as server_codec
+    import chatctx.backends.llama_server._codec as server_codec
     from chatctx import ChatSession
     from chatctx.errors import ModelError
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from chatctx import ChatSession, GenerationSettings
-from chatctx.engine import Backend
-from chatctx.engine._codec import open_codec
+from chatctx.backends.base import Backend
 from chatctx.errors import ConfigError, GenerationError
+from chatctx.model.codec import open_codec
 from chatctx.monitor import totals
 from chatctx.replay import DryBackend, ReplayConfig, Replayer, parse_logged
 from chatctx.store import Store

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from chatctx.cli import cli
 from chatctx.errors import ImportFormatError
 from chatctx.replay import ReplayConfig, Replayer, parse_logged, read_logs, replay_all
-from chatctx.store._jsonl import MAX_DEPTH
+from chatctx.store.jsonl import MAX_DEPTH
 
 FUZZ = settings(
     deadline=None,

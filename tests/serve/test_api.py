@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from chatctx.config import ContextSettings, ConversationSettings, GenerationSettings
-from chatctx.engine._embedder import EMBEDDER_FILE
+from chatctx.model.embedder import EMBEDDER_FILE
+from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.store import parse_line
 from tests.serve.conftest import ServerProcess
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 import uvicorn
 
-from chatctx.engine import Engine
+from chatctx.backends.engine import Engine
 from chatctx.errors import BackendUnavailable, DeadlineExceeded, GenerationError
 from chatctx.serve import Limits, ServeConfig, create_app
 from chatctx.store import Store

@@ -73,7 +73,7 @@ def test_a_claim_left_by_a_killed_process_is_taken_over_at_once(
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from chatctx._turn_claim import new_owner\n"
+            "from chatctx.store._turn_claim import new_owner\n"
             "from chatctx.store import Store\n"
             "assert Store(sys.argv[1]).claim_turn('shared', new_owner(), 60.0)\n"
             "print('held', flush=True)\n"

@@ -15,8 +15,8 @@ import numpy.typing as npt
 from sqlalchemy import text
 
 from chatctx import ChatSession
-from chatctx.engine._codec import open_codec
-from chatctx.engine._embedder import Embedder, shared_embedder
+from chatctx.backends.engine._embedder import Embedder, shared_embedder
+from chatctx.model.codec import open_codec
 from chatctx.replay import DryBackend
 from chatctx.store import Store
 

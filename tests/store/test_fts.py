@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 from chatctx.store import Store, create_db_engine, import_records, read_jsonl, upgrade
 from chatctx.store._migrate import _config
 from chatctx.store._models import Base
-from chatctx.store._search import fts_query, include_name, query_terms
+from chatctx.store.search import fts_query, include_name, query_terms
 from chatctx.testing import create_database, drop_database
 
 CHAT = [

@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 from chatctx.cli import cli
 from chatctx.errors import ChatctxError, ConfigError, ImportFormatError
-from chatctx.session import _context_settings, _settings
+from chatctx.session._session import _context_settings, _settings
 from chatctx.store import Store, export_conversation, import_records, parse_line, read_jsonl
-from chatctx.store._jsonl import MAX_DEPTH, MAX_LINE_BYTES
+from chatctx.store.jsonl import MAX_DEPTH, MAX_LINE_BYTES
 
 ROLES = ["system", "user", "assistant", "tool"]
 GOOD = {"id": "good-1", "messages": [{"role": "user", "content": "hello"}]}

@@ -14,7 +14,7 @@ from chatctx.cli import cli
 from chatctx.store import Store, create_db_engine, current_revision, head_revision, upgrade
 from chatctx.store._migrate import _config
 from chatctx.store._models import Base
-from chatctx.store._search import include_name
+from chatctx.store.search import include_name
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chatctx.engine import Engine
+from chatctx.backends.engine import Engine
 from chatctx.session import ChatSession
 from chatctx.store import Store
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from chatctx._turn_claim import TurnClaim, new_owner, try_claim
 from chatctx.store import Store
 from chatctx.store import _claims as claims_module
+from chatctx.store._turn_claim import TurnClaim, new_owner, try_claim
 
 
 def test_one_owner_at_a_time_until_it_lets_go_or_expires(db_url: str) -> None:

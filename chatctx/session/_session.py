@@ -1,0 +1,716 @@
+"""ChatSession: one persisted conversation driven through the llama.cpp engine.
+
+::
+
+    with ChatSession.open("sqlite:///bot.db", conversation_id="cust-42") as chat:
+        reply = chat.send("My order 1234 has not arrived")
+        for chunk in chat.stream("Can you check again?"):
+            print(chunk, end="")
+
+How a turn's context is built (builder, budget, recall search, summaries) lives in
+``_session_context``, the asyncio bridge in ``_session_async``, and the storing of a turn
+with its record in ``_turn``; ``ChatSession`` mixes them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from chatctx._resource import Closeable
+from chatctx.backends.base import (
+    Backend,
+    Lease,
+    Stream,
+    TextEmbedder,
+)
+from chatctx.context import (
+    BackgroundSummarizer,
+    BuildResult,
+    ContextBuilder,
+    MeaningSearch,
+    Summarizer,
+)
+from chatctx.errors import (
+    BackendUnavailable,
+    ChatctxError,
+    ClosedError,
+    ConfigError,
+    ContextStateConflict,
+    DeadlineExceeded,
+)
+from chatctx.session._async import AsyncTurns
+from chatctx.session._context import SessionContext, _Built, open_conversation
+from chatctx.session._turn import Reply, TurnInFlight, TurnRecording
+from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings, Settings
+from chatctx.store import Message, Store, Turn, TurnClaim
+
+logger = logging.getLogger("chatctx.session")
+
+LEASE_POLL_S = 0.5  # a turn waiting for a slot looks this often whether its session closed
+CLOSE_WAIT_S = 10.0  # close() waits this long for turns still being prepared
+STATE_ATTEMPTS = 3  # builds of a turn's context when another writer saves its state meanwhile
+MAX_FAILOVERS = 2  # a turn whose backend fails before its first token is retried this often
+
+
+class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
+    """A conversation stored in a ``Store`` and answered by a backend (an ``Engine``).
+
+    The user message is committed before generation starts; the assistant message when it
+    ends, or marked ``partial`` if the reply is interrupted. Each turn leases one of the
+    engine's slots: many sessions (threads, or ``asend``/``astream`` on asyncio) share one
+    engine, their generations batched together. A turn first claims its conversation in the
+    store, so processes sharing the database answer it one turn at a time
+    (``chatctx.store._turn_claim``). Close the session (or use ``with``) to release what it opened;
+    a store or engine passed in stays open.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        engine: Backend,
+        conversation_id: str,
+        seq_id: int | None = None,
+        summarizer: Summarizer | None = None,
+        on_turn: Callable[[Turn], None] | None = None,
+        owns_store: bool = False,
+        owns_engine: bool = False,
+        embedder: TextEmbedder | None = None,
+        claim_turns: bool = True,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.conversation_id = conversation_id
+        # Set: the expert option, this slot for good. None: a slot is leased per turn (the
+        # slot of the last turn is kept here).
+        self.seq_id = seq_id
+        self._pinned = seq_id is not None
+        self._lease: Lease | None = None
+        self._custom_summarizer = summarizer
+        # Recall by meaning: this embedder, else the backend's (None: recall by words).
+        self._embedder = embedder
+        # Each turn claims the conversation in the store (``_turn_claim``), so turns of other
+        # processes on it wait: False for a caller that serializes them itself.
+        self._claim_turns = claim_turns
+        self.on_turn = on_turn
+        self._owns_store = owns_store
+        self._owns_engine = owns_engine
+        self._builder: ContextBuilder | None = None
+        self._background: BackgroundSummarizer | None = None  # a summary written off-turn
+        self._meaning: MeaningSearch | None = None  # recall by meaning, when it is used
+        self._cancel_summary = threading.Event()  # set at close: stop writing it
+        # Clear while a turn is prepared and until its first token: a background summary the
+        # turn starts waits for it, so it never holds the model ahead of the customer.
+        self._turn_under_way = threading.Event()
+        self._turn_under_way.set()
+        self._builder_settings: ContextSettings | None = None
+        # Turns in flight (any thread): close() ends them before it closes anything.
+        self._turns: set[TurnInFlight] = set()
+        self._turns_changed = threading.Condition()
+        self.last_reply: Reply | None = None
+        self.last_user: Message | None = None  # the user message the last turn stored
+        self.last_build: BuildResult | None = None  # the context sent on the last turn
+        self._closed = False
+        if seq_id is not None:
+            engine.pin(conversation_id, seq_id)
+
+    @classmethod
+    def open(
+        cls,
+        db: str | Store | None = None,
+        *,
+        conversation_id: str | None = None,
+        model: str | Path | Backend | None = None,
+        system_prompt: str | None = None,
+        settings: GenerationSettings | Mapping[str, Any] | None = None,
+        context: ContextSettings | Mapping[str, Any] | None = None,
+        summarizer: Summarizer | None = None,
+        on_turn: Callable[[Turn], None] | None = None,
+        engine_options: Mapping[str, Any] | None = None,
+        seq_id: int | None = None,
+        embedder: TextEmbedder | None = None,
+        backend: Backend | None = None,
+        claim_turns: bool = True,
+    ) -> ChatSession:
+        """Open (or create) a conversation.
+
+        ``db`` is a SQLAlchemy URL, an open ``Store``, or None for ``CHATCTX_DB`` (default
+        ``$CHATCTX_HOME/chatctx.db``, the CLI's database). ``model`` is a GGUF path, a
+        loaded ``Engine`` or other backend (shared, left open), or None for
+        ``CHATCTX_MODEL`` / the embedded default. ``seq_id`` pins the conversation to one
+        slot (expert option); by default each turn leases a slot from the engine's pool.
+        ``system_prompt``, ``settings`` (generation) and ``context`` (budget, policy,
+        summarizer), when given, are stored with the conversation. ``summarizer`` is a callable
+        ``(previous_summary, evicted_messages) -> summary`` used instead of the configured one.
+        ``on_turn`` is called with each stored turn record (tokens, KV events, timings).
+        ``embedder`` ranks evicted messages for recall by meaning instead of the backend's
+        (``Backend.embedder()``: the local all-MiniLM-L6-v2 when it is installed).
+        ``backend`` is a running backend (an ``Engine``, a ``LlamaServerBackend``), shared and
+        left open: the same as passing it as ``model``.
+        ``claim_turns`` (default True): each turn first claims the conversation in the store,
+        so bot processes or machines sharing the database answer it one turn at a time, each
+        on the whole history before it; a turn waits while another holds the claim (one whose
+        process died runs out after 30 s). False skips the two writes per turn, for a caller
+        that is the conversation's only writer.
+        """
+        if backend is not None:
+            if model is not None:
+                raise ConfigError("pass model or backend, not both")
+            if not isinstance(backend, Backend):
+                raise ConfigError(f"backend must be a chatctx Backend, not {type(backend)!r}")
+            model = backend
+        generation = _settings(settings) if settings is not None else None
+        context_settings = _context_settings(context) if context is not None else None
+        owns_store = not isinstance(db, Store)
+        if db is None:
+            db = Settings.from_env().db
+        store = Store(db) if isinstance(db, str) else db
+        built: Backend | None = None  # an engine loaded here, closed again on failure
+        try:
+            cid = open_conversation(
+                store, conversation_id, system_prompt, generation, context_settings
+            )
+            if isinstance(model, Backend):
+                engine: Backend = model
+            else:
+                engine = built = _load_engine(model, engine_options or {})
+            # __init__ can refuse (a pin to a taken slot): what was opened here is closed.
+            return cls(
+                store=store,
+                engine=engine,
+                conversation_id=cid,
+                seq_id=seq_id,
+                summarizer=summarizer,
+                on_turn=on_turn,
+                owns_store=owns_store,
+                owns_engine=built is not None,
+                embedder=embedder,
+                claim_turns=claim_turns,
+            )
+        except BaseException:
+            if built is not None:
+                built.close()
+            if owns_store:
+                store.close()
+            raise
+
+    # lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the turns in flight, then release what the session opened.
+
+        A reply still streaming (in any thread) is stopped and stored as ``partial`` with its
+        turn record before this returns: the store holds every reply a client saw. Turns
+        still being prepared are refused before they store anything.
+        """
+        with self._turns_changed:
+            if self._closed:
+                return
+            self._closed = True
+            turns = list(self._turns)
+        for turn in turns:
+            with turn.lock:  # a user message being written, a generation being started
+                stream = turn.stream
+            if stream is not None:
+                stream.close()  # returns once the backend has let go of it
+        for turn in turns:
+            if turn.kind == "stream":
+                try:
+                    self._finish_turn(turn)
+                except ChatctxError:
+                    logger.exception("a reply of %s was not stored", self.conversation_id)
+                self._end_turn(turn)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        with self._turns_changed:
+            while self._turns and (left := deadline - time.monotonic()) > 0:
+                self._turns_changed.wait(left)
+            if self._turns:
+                logger.warning(
+                    "closing %s with %d turn(s) still being prepared",
+                    self.conversation_id,
+                    len(self._turns),
+                )
+        self._stop_summary()
+        if self._pinned and not self.engine.closed:
+            self.engine.unpin(self.conversation_id)
+        if self._owns_engine:
+            self.engine.close()
+        if self._owns_store:
+            self.store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("chat session")
+
+    # state --------------------------------------------------------------------------------
+
+    @property
+    def system_prompt(self) -> str | None:
+        return self.store.get_conversation(self.conversation_id).system_prompt
+
+    def conversation_settings(self) -> ConversationSettings:
+        """The stored settings, parsed (once per call)."""
+        stored = self.store.get_conversation(self.conversation_id).settings
+        return ConversationSettings.parse(stored)
+
+    @property
+    def settings(self) -> GenerationSettings:
+        return self.conversation_settings().generation
+
+    @property
+    def context_settings(self) -> ContextSettings:
+        return self.conversation_settings().context
+
+    def history(self) -> list[Message]:
+        """Every stored message of this conversation, in order (never trimmed)."""
+        return self.store.messages(self.conversation_id)
+
+    def pin(self, message_id: int, pinned: bool = True) -> Message:
+        """Always send this message, right after the system prompt."""
+        return self.store.set_pinned(message_id, pinned)
+
+    # chatting -----------------------------------------------------------------------------
+
+    def send(self, text: str, *, settings: Sampling = None) -> Reply:
+        """Send a user message and wait for the whole reply.
+
+        ``settings`` (``GenerationSettings`` or a mapping of its fields) sample this turn and
+        become the conversation's, stored with the user message in one transaction.
+        """
+        replies: list[Reply] = []
+        for _ in self._open_stream(text, replies, _settings_or_none(settings)):
+            pass
+        return _stored(replies)
+
+    def stream(self, text: str, *, settings: Sampling = None) -> Generator[str, None, None]:
+        """Send a user message and yield the reply as it is generated.
+
+        Raises ``ContextBudgetError`` before storing anything when the prompt cannot fit.
+        Time to first token is counted from this call, which waits while every slot of the
+        engine is leased. ``settings``: as for ``send``.
+        """
+        return self._open_stream(text, None, _settings_or_none(settings))
+
+    async def asend(self, text: str, *, settings: Sampling = None) -> Reply:
+        """``send`` for asyncio: the turn runs in a worker thread, batched with the others."""
+        replies: list[Reply] = []
+        async for _ in self._astream(text, replies, settings=_settings_or_none(settings)):
+            pass
+        return _stored(replies)
+
+    def astream(
+        self,
+        text: str,
+        *,
+        before: Callable[[], None] | None = None,
+        settings: Sampling = None,
+    ) -> AsyncIterator[str]:
+        """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
+
+        Leaving the loop early ends the reply (stored as ``partial``), as with ``stream``,
+        even in its prefill or while it waits for a slot (then nothing is stored, if its user
+        message was not yet); the leaving waits until that is done, even when cancelled.
+        ``before`` runs first in the turn's worker thread, before the turn begins (a server
+        stores there what its request adds: no thread hop of its own); what it raises is
+        raised here, and the turn is then not started. ``settings``: as for ``send``.
+        """
+        return self._astream(text, None, before, _settings_or_none(settings))
+
+    def _open_stream(
+        self,
+        text: str,
+        replies: list[Reply] | None,
+        sampling: GenerationSettings | None = None,
+        *,
+        cut: threading.Event | None = None,
+    ) -> Generator[str, None, None]:
+        requested = time.perf_counter()
+        turn = self._begin_turn("stream")
+        turn.cut = cut
+        try:
+            self._claim(turn)
+            self._lease_slot(turn)
+            clock = (requested, time.perf_counter())
+            self._turn_under_way.clear()
+            prepared = self._prepare(text, sampling)
+            context = prepared.context
+            # Sampling given with the turn is stored with its user message (one transaction).
+            turn.settings = (
+                None
+                if sampling is None or sampling == prepared.stored_generation
+                else ConversationSettings(generation=sampling, context=context).to_json()
+            )
+            stream = self._stream(
+                turn, text, prepared.result, prepared.generation, context.eviction, clock, replies
+            )
+        except BaseException:
+            self._turn_under_way.set()
+            self._end_turn(turn)
+            raise
+        # A stream dropped before its first chunk never runs its cleanup: give the slot back
+        # and let a background summary waiting for this turn go on.
+        weakref.finalize(stream, self._abandon, turn)
+        return stream
+
+    def _begin_turn(self, kind: str) -> TurnInFlight:
+        turn = TurnInFlight(kind)
+        with self._turns_changed:
+            self._check_open()
+            self._turns.add(turn)
+        return turn
+
+    def _claim(self, turn: TurnInFlight) -> None:
+        """Wait for the conversation's turn against other processes (before the history is
+        read); let go in ``_end_turn``."""
+        if not self._claim_turns:
+            return
+        claim = turn.claim = TurnClaim(self.store, self.conversation_id)
+
+        def check() -> None:
+            self._check_open()
+            _check_cut(turn)
+
+        claim.take(check)
+
+    def _lease_slot(self, turn: TurnInFlight) -> Lease:
+        # In steps, so that a session closed (or a turn cut) meanwhile stops waiting.
+        while True:
+            self._check_open()
+            _check_cut(turn)
+            try:
+                lease = self.engine.lease(self.conversation_id, timeout=LEASE_POLL_S)
+            except DeadlineExceeded:
+                continue
+            break
+        with self._turns_changed:  # against close() ending this turn meanwhile
+            handed = not (self._closed or turn.released)
+            if handed:
+                turn.lease = lease
+                self._lease = lease
+                self.seq_id = lease.seq_id
+        if not handed:  # the turn was ended while the lease was on its way: give it back
+            if not self.engine.closed:
+                with contextlib.suppress(ChatctxError):
+                    self.engine.release(lease)
+            raise ClosedError("chat session")
+        return lease
+
+    def _abandon(self, turn: TurnInFlight) -> None:
+        self._turn_under_way.set()
+        self._end_turn(turn)
+
+    def _end_turn(self, turn: TurnInFlight) -> None:
+        """Give the turn's slot back and forget the turn (once, whoever calls it)."""
+        with self._turns_changed:
+            if turn.released:
+                return
+            turn.released = True
+            self._turns.discard(turn)
+            self._turns_changed.notify_all()
+        turn.done.set()
+        if turn.claim is not None:
+            turn.claim.release()
+        lease = turn.lease
+        if lease is not None:
+            if self._lease is lease:
+                self._lease = None
+            if not self.engine.closed:
+                self.engine.release(lease)
+
+    def record_turn(self, text: str, reply: str | Sequence[Mapping[str, Any]]) -> Reply:
+        """A teacher-forced turn: fit and prefill the context, then store ``reply`` as given.
+
+        Nothing is generated: this measures context and KV-cache behaviour (replaying logged
+        conversations). TTFT is the time until the first token could have been sampled.
+        ``reply`` is the assistant's text, or the logged messages answering ``text`` (OpenAI
+        format: assistant tool calls, tool results, the final answer).
+        """
+        requested = time.perf_counter()
+        turn = self._begin_turn("record")
+        try:
+            self._claim(turn)
+            lease = self._lease_slot(turn)
+            self._turn_under_way.clear()
+            return self._record_turn(turn, text, reply, (requested, time.perf_counter()), lease)
+        finally:
+            self._turn_under_way.set()
+            self._end_turn(turn)
+
+    def _record_turn(
+        self,
+        turn: TurnInFlight,
+        text: str,
+        reply: str | Sequence[Mapping[str, Any]],
+        leased: tuple[float, float],
+        lease: Lease,
+    ) -> Reply:
+        prepared = self._prepare(text)
+        built, context = prepared.result, prepared.context
+        with turn.lock:
+            self._check_open()
+            built_at = time.perf_counter()
+            user = self.last_user = self.store.add_message(self.conversation_id, "user", text)
+            stored_at = time.perf_counter()
+            turn.stream = self.engine.generate(
+                built.tokens,
+                seq_id=lease.seq_id,
+                settings=GenerationSettings(max_tokens=1, temperature=0.0),
+                eviction=context.eviction,
+                history_start=built.plan.history_start,
+            )
+        result = turn.stream.wait(first_token_only=True)
+        self._turn_under_way.set()
+        logged = (
+            [{"role": "assistant", "content": reply}]
+            if isinstance(reply, str)
+            else [dict(m) for m in reply]
+        )
+        first_text = next((m["content"] for m in logged if m["role"] == "assistant"), "")
+        clock = (*leased, built_at, stored_at)
+        if logged and logged[0]["role"] == "assistant" and not logged[0].get("tool_calls"):
+            stored = self._store_turn(
+                user, replace(result, text=logged[0]["content"]), built.plan, clock, lease
+            )
+            logged = logged[1:]
+        else:  # the turn record points at no single assistant message
+            stored = self._store_turn(
+                user, replace(result, text=""), built.plan, clock, lease, store_reply=False
+            )
+        if logged:
+            self.store.add_messages(self.conversation_id, logged)
+        if first_text != stored.text:
+            stored = replace(stored, text=first_text)
+            self.last_reply = stored
+        return stored
+
+    def _prepare(self, text: str, sampling: GenerationSettings | None = None) -> _Built:
+        """Build the context for ``text`` and persist what the builder decided."""
+        self._check_open()
+        if not text.strip():
+            raise ConfigError("empty message")
+        for attempt in range(1, STATE_ATTEMPTS + 1):
+            # raises ContextBudgetError before anything is stored
+            prepared = self._build(text, sampling)
+            built = self.last_build = prepared.result
+            plan = built.plan
+            if not (
+                plan.evicted
+                or plan.summary_changed
+                or plan.summarized_ids
+                or built.state.pending_ids
+            ):
+                break
+            new_summary = None
+            if plan.summary_changed and built.state.summary is not None:
+                new_summary = (
+                    built.state.summary,
+                    plan.summarized_ids,
+                    built.state.summary_tokens,
+                    built.fingerprint,
+                )
+            try:  # compare-and-set: another process saving this state meanwhile is not lost
+                self.store.save_context_state(
+                    self.conversation_id,
+                    window_start=built.state.window_start,
+                    pending_ids=built.state.pending_ids,
+                    new_summary=new_summary,
+                    expected_version=prepared.state_version,
+                    summary_blocks=built.state.summary_blocks,
+                    abridged=[cut.to_row() for cut in built.state.abridged],
+                )
+            except ContextStateConflict:
+                if attempt == STATE_ATTEMPTS:
+                    raise
+                logger.info(
+                    "context state of %s changed meanwhile: built again", self.conversation_id
+                )
+                continue
+            break
+        return prepared
+
+    def _stream(
+        self,
+        turn: TurnInFlight,
+        text: str,
+        built: BuildResult,
+        settings: GenerationSettings,
+        eviction: str,
+        leased: tuple[float, float],
+        replies: list[Reply] | None,
+    ) -> Generator[str, None, None]:
+        try:
+            lost: BackendUnavailable | None = None  # the backend failed to start it
+            with turn.lock:
+                self._check_open()  # closed before the first chunk was asked for
+                _check_cut(turn)  # its reader left before it began: store nothing
+                built_at = time.perf_counter()
+                turn.user = self.last_user = self.store.add_message(
+                    self.conversation_id, "user", text, conversation_settings=turn.settings
+                )
+                turn.clock = (*leased, built_at, time.perf_counter())
+                turn.plan = built.plan
+                turn.replies = replies
+                try:
+                    self._generate(turn, built, settings, eviction)
+                except BackendUnavailable as exc:
+                    lost = exc
+            failure: BaseException | None = None
+            try:
+                while True:
+                    try:
+                        if lost is not None:
+                            self._fail_over(turn, built, settings, eviction, lost)
+                            lost = None
+                        assert turn.stream is not None
+                        for chunk in turn.stream:
+                            turn.yielded = True
+                            self._turn_under_way.set()  # the first token is out
+                            yield chunk
+                        break
+                    except BackendUnavailable as exc:
+                        if turn.yielded or turn.failovers >= MAX_FAILOVERS:
+                            raise
+                        lost = exc
+            except GeneratorExit:  # the reader let go: the reply so far is stored
+                raise
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                self._turn_under_way.set()
+                if turn.stream is not None:
+                    turn.stream.close()
+                self._finish_turn(turn, failure)
+        finally:
+            self._end_turn(turn)
+
+    def _generate(
+        self, turn: TurnInFlight, built: BuildResult, settings: GenerationSettings, eviction: str
+    ) -> Stream:
+        assert turn.lease is not None
+        stream = turn.stream = self.engine.generate(
+            built.tokens,
+            seq_id=turn.lease.seq_id,
+            settings=settings,
+            eviction=eviction,
+            history_start=built.plan.history_start,
+        )
+        return stream
+
+    def _fail_over(
+        self,
+        turn: TurnInFlight,
+        built: BuildResult,
+        settings: GenerationSettings,
+        eviction: str,
+        exc: BackendUnavailable,
+    ) -> None:
+        """The backend went away before this turn's first token: run it again on the slot
+        a new lease gives (a router places the conversation on another backend). The user
+        message is stored once; the record says why the prompt was prefilled again."""
+        logger.warning(
+            "turn of %s moves off %s before its first token: %s",
+            self.conversation_id,
+            exc.backend,
+            exc,
+        )
+        turn.failovers += 1
+        with turn.lock:
+            old, stream = turn.lease, turn.stream
+            turn.lease = turn.stream = None
+            if stream is not None:
+                stream.close()
+            if old is not None:
+                if self._lease is old:
+                    self._lease = None
+                if not self.engine.closed:
+                    with contextlib.suppress(ChatctxError):
+                        self.engine.release(old)
+        lease = self._lease_slot(turn)
+        if lease.reprefill_reason is None and lease.swap_in is None:
+            lease = replace(lease, reprefill_reason=f"failover: {exc.backend} {exc.reason}")
+            turn.lease = self._lease = lease
+        with turn.lock:
+            self._check_open()
+            self._generate(turn, built, settings, eviction)
+
+    def _finish_turn(self, turn: TurnInFlight, failure: BaseException | None = None) -> None:
+        """Store what the turn generated with its record (once, whoever calls it).
+
+        When the generation itself failed (``failure``), that error is the one the caller
+        sees; a failure to store the reply too is logged with the text, never raised over it.
+        """
+        with turn.lock:
+            if turn.finished:
+                return
+            turn.finished = True
+            stream, user = turn.stream, turn.user
+            if stream is None or user is None or stream.result is None:
+                return  # nothing was generated: nothing to store
+            assert turn.plan is not None and turn.clock is not None and turn.lease is not None
+            try:
+                reply = self._store_turn(user, stream.result, turn.plan, turn.clock, turn.lease)
+            except ChatctxError:
+                if failure is None:
+                    raise
+                logger.exception("and the reply of %s could not be stored", self.conversation_id)
+                return
+            if turn.replies is not None:
+                turn.replies.append(reply)
+
+
+def _load_engine(model: str | Path | None, options: Mapping[str, Any]) -> Backend:
+    # Imported here: a session on another backend never loads llama.cpp.
+    from chatctx.backends.engine import Engine
+
+    return Engine.load(model, **options)
+
+
+def _stored(replies: list[Reply]) -> Reply:
+    if not replies:  # _finish stores nothing once the store is closed
+        raise ClosedError("store")
+    return replies[0]
+
+
+def _context_settings(value: ContextSettings | Mapping[str, Any]) -> ContextSettings:
+    if isinstance(value, ContextSettings):
+        return value
+    try:
+        return ContextSettings.model_validate(dict(value))
+    except ValidationError as exc:
+        raise ConfigError(f"invalid context settings: {exc}") from exc
+
+
+Sampling = GenerationSettings | Mapping[str, Any] | None
+
+
+def _settings_or_none(value: Sampling) -> GenerationSettings | None:
+    return None if value is None else _settings(value)
+
+
+def _settings(value: GenerationSettings | Mapping[str, Any]) -> GenerationSettings:
+    if isinstance(value, GenerationSettings):
+        return value
+    try:
+        return GenerationSettings.model_validate(dict(value))
+    except ValidationError as exc:
+        raise ConfigError(f"invalid generation settings: {exc}") from exc
+
+
+def _check_cut(turn: TurnInFlight) -> None:
+    if turn.cut is not None and turn.cut.is_set():
+        raise ClosedError("chat turn")
