@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from chatctx.environment import variable
 from chatctx.errors import ConfigError
 from chatctx.model.paths import default_home
 
@@ -20,6 +23,10 @@ __all__ = [
     "Settings",
     "default_home",
 ]
+
+# The disk a conversation's swapped KV states may take, for the engine's pool and the
+# llama-server slot files alike.
+SWAP_DISK_MB = 4096.0
 
 KVType = Literal["f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
@@ -223,7 +230,7 @@ class EngineConfig(_Model):
         256, ge=0, description="RAM for KV states of conversations that lost their slot."
     )
     swap_disk_mb: float = Field(
-        4096, ge=0, description="Disk (under swap_dir) for states that do not fit in RAM."
+        SWAP_DISK_MB, ge=0, description="Disk (under swap_dir) for states that do not fit in RAM."
     )
     swap_dir: Path | None = Field(
         None, description="Where swapped KV states are kept; None = $CHATCTX_HOME/kv."
@@ -317,15 +324,216 @@ class Settings(_Model):
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Build settings from ``CHATCTX_*`` variables, with defaults for the rest."""
-        env = os.environ if env is None else env
         values: dict[str, object] = {
-            "db": env.get("CHATCTX_DB") or f"sqlite:///{default_home() / 'chatctx.db'}"
+            "db": variable("CHATCTX_DB", env) or f"sqlite:///{default_home() / 'chatctx.db'}"
         }
         for key in ("model", "n_ctx", "n_gpu_layers"):
-            raw = env.get(f"CHATCTX_{key.upper()}")
+            raw = variable(f"CHATCTX_{key.upper()}", env)
             if raw:
                 values[key] = raw
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
             raise ConfigError(f"invalid CHATCTX_* environment setting: {exc}") from exc
+
+
+# A tenant name is a prefix of the stored conversation id (``tenant:id``): it may not hold
+# the separator, so one tenant's ids can never be spelled as another's.
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+KEYS_ENV = "CHATCTX_API_KEYS"  # the JSON object itself
+KEYS_FILE_ENV = "CHATCTX_API_KEYS_FILE"  # or a file holding it
+
+
+class Limits(_Model):
+    """What one request, one tenant and one conversation may take."""
+
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body.")
+    max_message_chars: int = Field(
+        32_000, ge=1, description="Longest message content, in characters."
+    )
+    max_messages: int = Field(64, ge=1, description="Most messages in one request.")
+    max_concurrent_turns: int = Field(
+        8,
+        ge=1,
+        description="Turns one tenant may have in flight at once; more get 429 with Retry-After.",
+    )
+    request_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A turn still running after this is cut: the reply so far is stored as "
+        "partial and returned (finish_reason length); before any token, 504.",
+    )
+    conversation_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long a turn waits for an earlier turn of the same conversation "
+        "before 409.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long in-flight replies may go on before they are cut "
+        "(stored as partial).",
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503.")
+
+
+class ServeConfig(_Model):
+    """Everything ``create_app`` and ``serve`` need; the CLI builds one from its options."""
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port (0 picks a free one).")
+    db: str | None = Field(None, description="SQLAlchemy URL; None = CHATCTX_DB / default.")
+    model: str | None = Field(None, description="GGUF path; None = CHATCTX_MODEL / embedded.")
+    backend_urls: list[str] = Field(
+        default_factory=list,
+        description="llama-server URLs to run turns on instead of a local model (several: "
+        "conversations are routed, each kept on the server holding its cache; none: "
+        "CHATCTX_BACKENDS). The model is then the GGUF the servers run, read for its "
+        "tokenizer.",
+    )
+    slot_save_path: str | None = Field(
+        None,
+        description="The llama-servers' --slot-save-path (the same path on each): a slot "
+        "given to another conversation is saved there and restored when its conversation "
+        "comes back. None: no swap (the server's own host-RAM prompt cache still works).",
+    )
+    swap_disk_mb: float = Field(
+        SWAP_DISK_MB,
+        gt=0,
+        description="With slot_save_path: the most the swap files take (the oldest are "
+        "deleted beyond it, where that folder is seen from this machine).",
+    )
+    slots: int = Field(
+        4,
+        ge=1,
+        le=63,
+        description="Conversations whose KV caches a local model holds at once (the others "
+        "are swapped to RAM, then disk, and restored when they come back).",
+    )
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further Engine.load options for a local model (n_ctx, n_gpu_layers, ...; "
+        "a 'slots' here wins over slots).",
+    )
+    model_id: str | None = Field(
+        None, description="Name in /v1/models and responses; None = the model file's name."
+    )
+    api_keys: dict[str, str] | None = Field(
+        None, description="Bearer key -> tenant; None = no keys (loopback only)."
+    )
+    limits: Limits = Field(default_factory=Limits)
+    max_open_sessions: int = Field(
+        256, ge=1, description="Conversations whose ChatSession is kept open between turns."
+    )
+
+
+def load_api_keys(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, str] | None:
+    """Keys from ``path`` (a JSON object ``{"<key>": "<tenant>"}``), else from the
+    environment (``CHATCTX_API_KEYS`` holding the object, or ``CHATCTX_API_KEYS_FILE``
+    naming a file); None when none is configured. Malformed keys are a ``ConfigError``."""
+    source: str
+    keys, keys_file = variable(KEYS_ENV, env), variable(KEYS_FILE_ENV, env)
+    if path is not None:
+        source = str(path)
+        text = _read(Path(path))
+    elif keys:
+        source, text = KEYS_ENV, keys
+    elif keys_file:
+        source = keys_file
+        text = _read(Path(source))
+    else:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: API keys are not JSON: {exc}") from exc
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f'{source}: expected a non-empty JSON object {{"<key>": "<tenant>"}}')
+    for key, tenant in data.items():
+        if not key or any(c.isspace() for c in key):
+            raise ConfigError(f"{source}: an API key is empty or holds whitespace")
+        if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+            raise ConfigError(
+                f"{source}: tenant {tenant!r} must be 1-64 letters, digits, '_', '.' or '-'"
+            )
+    return dict(data)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read API keys from {path}: {exc.strerror or exc}") from exc
+
+
+ReplayMode = Literal["teacher", "regenerate", "dry"]
+
+# A replay's context: what ``ContextSettings`` says, but a budget of 1024 tokens when none
+# is given (a replay sizes its own context from the budget, so it cannot derive one from it).
+REPLAY_CONTEXT = ContextSettings(budget=1024)
+
+
+class ReplayConfig(_Model):
+    """How logged conversations are replayed. Context fields may be given flat
+    (``ReplayConfig(budget=512, low=0.5)``): they are folded into ``context``."""
+
+    mode: ReplayMode = Field(
+        "teacher", description="teacher-forced, regenerate, or dry (no model)."
+    )
+    context: ContextSettings = Field(
+        default_factory=lambda: REPLAY_CONTEXT.model_copy(),
+        description="How each conversation is fitted to its budget (budget 1024 unless given; "
+        "reserve None: 16 teacher-forced, else max_tokens).",
+    )
+    simulate: Literal["engine", "llama-server"] = Field(
+        "engine",
+        description="A dry run's simulated cache: the engine's in-place edits, or what "
+        "llama-server's cache reuse keeps (the common prefix, then runs after deletions).",
+    )
+    max_turns: int | None = Field(None, ge=1, description="Replay at most this many user turns.")
+    system: str | None = Field(None, description="System prompt replacing the logged one.")
+    max_tokens: int = Field(128, ge=1, description="Longest regenerated reply.")
+    back_to_back: bool = Field(
+        False,
+        description="Send each turn as soon as the last is done. By default a summary being "
+        "written in the background (summarizer 'llm') is finished first, as the time a person "
+        "takes to read and type would let it; back to back it may never finish.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_context(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        flat = {key: data[key] for key in ContextSettings.model_fields if key in data}
+        given = data.get("context")
+        if isinstance(given, ContextSettings):
+            given = given.model_dump(exclude_unset=True)
+        rest = {key: value for key, value in data.items() if key not in flat}
+        if not flat and given is None:
+            return rest
+        return rest | {"context": {"budget": REPLAY_CONTEXT.budget, **(given or {}), **flat}}
+
+    @model_validator(mode="after")
+    def _has_budget(self) -> ReplayConfig:
+        if self.context.budget is None:
+            raise ValueError("a replay needs a token budget (context.budget)")
+        return self
+
+    @property
+    def budget(self) -> int:
+        assert self.context.budget is not None  # _has_budget
+        return self.context.budget
+
+    @property
+    def reserve_tokens(self) -> int:
+        if self.context.reserve is not None:
+            return self.context.reserve
+        return self.max_tokens if self.mode == "regenerate" else 16
+
+    def session_context(self) -> ContextSettings:
+        """The settings each replayed ``ChatSession`` gets: ``context``, its reserve resolved."""
+        return self.context.model_copy(update={"reserve": self.reserve_tokens})

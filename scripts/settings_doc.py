@@ -32,13 +32,14 @@ error naming the field (on the command line, naming the option).
 
 
 def _models() -> list[tuple[str, type[BaseModel], str]]:
-    from chatctx.replay import ReplayConfig
-    from chatctx.serve import ServeConfig
     from chatctx.settings import (
         ContextSettings,
         ConversationSettings,
         EngineConfig,
         GenerationSettings,
+        Limits,
+        ReplayConfig,
+        ServeConfig,
         Settings,
     )
 
@@ -59,9 +60,14 @@ def _models() -> list[tuple[str, type[BaseModel], str]]:
         (
             "chatctx.serve.ServeConfig",
             ServeConfig,
-            "`chatctx serve` (`create_app(ServeConfig())`).",
+            "`chatctx serve` (`create_app(ServeConfig())` is the same server).",
         ),
-        ("chatctx.replay.ReplayConfig", ReplayConfig, "`chatctx replay` and `chatctx tune`."),
+        ("chatctx.serve.Limits", Limits, "`ServeConfig.limits`: what a request may take."),
+        (
+            "chatctx.replay.ReplayConfig",
+            ReplayConfig,
+            "`chatctx replay` and `chatctx tune`; context fields may also be given flat.",
+        ),
     ]
 
 
@@ -115,6 +121,18 @@ def render() -> str:
                 f"| {help_text} |"
             )
         out.append("")
+    from chatctx.environment import VARIABLES
+
+    out += [
+        "## Environment variables",
+        "",
+        "Declared once, in `chatctx/environment.py`; no other module reads a `CHATCTX_*` variable.",
+        "",
+        "| variable | sets | when unset |",
+        "|---|---|---|",
+    ]
+    out += [f"| `{name}` | {sets} | {unset} |" for name, (sets, unset) in VARIABLES.items()]
+    out.append("")
     return "\n".join(out)
 
 

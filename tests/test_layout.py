@@ -111,3 +111,46 @@ def test_the_model_layer_loads_neither_llama_cpp_nor_httpx() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def environment_reads(top: Path = PACKAGE) -> list[str]:
+    """``file:line name`` for each ``os.environ`` / ``os.getenv`` read of a ``CHATCTX_*``
+    string outside chatctx/environment.py, and each ``variable(...)`` of an undeclared name."""
+    from chatctx.environment import VARIABLES
+
+    found = []
+    for path in sorted(top.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                first = node.args[:1]
+            elif isinstance(node, ast.Subscript):
+                first = [node.slice]
+            else:
+                continue
+            names = [
+                arg.value
+                for arg in first
+                if isinstance(arg, ast.Constant) and str(arg.value).startswith("CHATCTX_")
+            ]
+            if not names:
+                continue
+            text = ast.unparse(node)
+            where = f"{path.relative_to(top.parent)}:{node.lineno}"
+            if ("environ" in text or "getenv" in text) and path.name != "environment.py":
+                found += [f"{where} {name}" for name in names]
+            elif text.startswith("variable(") and names[0] not in VARIABLES:
+                found.append(f"{where} {names[0]} (undeclared)")
+    return found
+
+
+def test_chatctx_variables_are_read_in_one_module(tmp_path: Path) -> None:
+    assert environment_reads() == []
+    # The finder finds: a planted read and an undeclared name.
+    planted = tmp_path / "chatctx" / "x"
+    planted.mkdir(parents=True)
+    (planted / "a.py").write_text(
+        'import os\nA = os.environ.get("CHATCTX_HOME")\nB = os.environ["CHATCTX_DB"]\n'
+        'C = os.getenv("CHATCTX_MODEL")\nD = variable("CHATCTX_NOPE")\n'
+    )
+    assert len(environment_reads(tmp_path / "chatctx")) == 4

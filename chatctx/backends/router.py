@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import os
 import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -45,6 +44,7 @@ from chatctx.backends.base import (
     Stream,
     TextEmbedder,
 )
+from chatctx.environment import variable
 from chatctx.errors import (
     BackendUnavailable,
     ChatctxError,
@@ -90,7 +90,7 @@ def _score(conversation: str, backend: str) -> int:
 
 def backends_from_env() -> list[str]:
     """``CHATCTX_BACKENDS``: llama-server URLs separated by commas or spaces."""
-    raw = os.environ.get("CHATCTX_BACKENDS", "")
+    raw = variable("CHATCTX_BACKENDS") or ""
     return [url for url in raw.replace(",", " ").split() if url]
 
 

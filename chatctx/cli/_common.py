@@ -12,8 +12,9 @@ import click
 from pydantic import ValidationError
 from rich.console import Console
 
+from chatctx.cli._options import FLASH_CHOICE, field_option
 from chatctx.errors import ChatctxError
-from chatctx.settings import Settings
+from chatctx.settings import EngineConfig, Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -97,7 +98,6 @@ def is_tty() -> bool:
     return sys.stdout.isatty()
 
 
-_KV_TYPES = ["f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 # Options that only shape the llama.cpp context: collected here and merged by
 # ``build_engine_options``, so commands need no parameter for each.
 _CACHE_OPTIONS = ("type_k", "type_v", "flash_attn", "rope_scaling", "rope_freq_scale")
@@ -116,55 +116,16 @@ def engine_options(func: F) -> F:
 
     command: Any = wrapper
     for decorator in (
-        click.option(
-            "--rope-freq-scale",
-            type=float,
-            default=None,
-            help="RoPE frequency scale (linear scaling: trained / wanted context).",
+        field_option(EngineConfig, "rope_freq_scale"),
+        field_option(EngineConfig, "rope_scaling"),
+        field_option(EngineConfig, "flash_attn", type=FLASH_CHOICE),
+        field_option(EngineConfig, "type_v"),
+        field_option(EngineConfig, "type_k"),
+        field_option(EngineConfig, "chat_format"),
+        field_option(
+            EngineConfig, "n_gpu_layers", default=None, help_after="Default: CHATCTX_N_GPU_LAYERS."
         ),
-        click.option(
-            "--rope-scaling",
-            type=click.Choice(["none", "linear", "yarn"]),
-            default=None,
-            help="RoPE scaling for a context beyond the model's trained one (default: the "
-            "model's own).",
-        ),
-        click.option(
-            "--flash-attn",
-            type=click.Choice(["auto", "on", "off"]),
-            default=None,
-            help="Flash attention (default auto: on for a quantized V cache).",
-        ),
-        click.option(
-            "--type-v",
-            type=click.Choice(_KV_TYPES),
-            default=None,
-            help="KV cache type for values (default f16; quantized needs flash attention).",
-        ),
-        click.option(
-            "--type-k",
-            type=click.Choice(_KV_TYPES),
-            default=None,
-            help="KV cache type for keys (default f16; see `chatctx plan`).",
-        ),
-        click.option(
-            "--chat-format",
-            type=click.Choice(["llama-3", "chatml"]),
-            default=None,
-            help="Built-in chat format for a GGUF without a chat template.",
-        ),
-        click.option(
-            "--n-gpu-layers",
-            type=int,
-            default=None,
-            help="Layers to offload to the GPU (default: all, when there is one).",
-        ),
-        click.option(
-            "--n-ctx",
-            type=int,
-            default=None,
-            help="Context size in tokens (default: CHATCTX_N_CTX or 4096).",
-        ),
+        field_option(EngineConfig, "n_ctx", default=None, help_after="Default: CHATCTX_N_CTX."),
     ):
         command = decorator(command)
     return command  # type: ignore[no-any-return]

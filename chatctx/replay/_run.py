@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import Field, ValidationError, model_validator
+from typing import Any
 
 from chatctx._resource import Closeable
 from chatctx.backends.base import Backend, Codec
@@ -27,104 +25,8 @@ from chatctx.model.paths import resolve_model_path
 from chatctx.monitor import totals
 from chatctx.replay._input import LoggedConversation
 from chatctx.session import ChatSession
-from chatctx.settings import ContextSettings, GenerationSettings, _Model
+from chatctx.settings import GenerationSettings, ReplayConfig
 from chatctx.store import ReplayStore, Store, Turn
-
-Mode = Literal["teacher", "regenerate", "dry"]
-
-
-class ReplayConfig(_Model):
-    """How logged conversations are replayed."""
-
-    mode: Mode = Field("teacher", description="teacher-forced, regenerate, or dry (no model).")
-    budget: int = Field(1024, ge=32, description="Prompt token budget.")
-    reserve: int | None = Field(None, ge=0, description="Reply reserve; None = 16 or max_tokens.")
-    policy: Literal["watermarks", "trim-every-turn"] = Field("watermarks", description="Policy.")
-    high: float = Field(1.0, gt=0, le=1, description="High watermark (share of budget).")
-    low: float = Field(0.6, gt=0, le=1, description="Low watermark (share of budget).")
-    eviction: Literal["shift", "recompute"] = Field("shift", description="KV eviction policy.")
-    layout: Literal["auto", "summary-first", "append", "abridge"] = Field(
-        "auto", description="Where the summary goes (auto: as the backend's cache keeps best)."
-    )
-    simulate: Literal["engine", "llama-server"] = Field(
-        "engine",
-        description="A dry run's simulated cache: the engine's in-place edits, or what "
-        "llama-server's cache reuse keeps (the common prefix, then runs after deletions).",
-    )
-    summarizer: Literal["extractive", "llm", "none"] = Field("extractive", description="Summary.")
-    summary_max_tokens: int | None = Field(
-        None, ge=16, description="Longest summary; None = the context settings' default."
-    )
-    max_turns: int | None = Field(None, ge=1, description="Replay at most this many user turns.")
-    system: str | None = Field(None, description="System prompt replacing the logged one.")
-    max_tokens: int = Field(128, ge=1, description="Longest regenerated reply.")
-    recall: bool = Field(True, description="Recall evicted messages matching the new one.")
-    recall_budget: int = Field(
-        ContextSettings.model_fields["recall_budget"].default,
-        ge=0,
-        description="Most tokens of recalled messages.",
-    )
-    recall_k: int = Field(5, ge=1, le=50, description="Most messages recalled per turn.")
-    recall_trigger: Literal["question", "any-question", "always"] = Field(
-        "question",
-        description="Recall for messages that ask back (and other questions on a near match), "
-        "every question, or every message.",
-    )
-    recall_search: Literal["auto", "meaning", "words"] = Field(
-        "auto", description="Recall by meaning (embeddings), by words (BM25), or auto."
-    )
-    recall_min_similarity: float = Field(
-        ContextSettings.model_fields["recall_min_similarity"].default,
-        ge=-1,
-        le=1,
-        description="Least cosine similarity recalled by meaning.",
-    )
-    back_to_back: bool = Field(
-        False,
-        description="Send each turn as soon as the last is done. By default a summary being "
-        "written in the background (summarizer 'llm') is finished first, as the time a person "
-        "takes to read and type would let it; back to back it may never finish.",
-    )
-
-    @model_validator(mode="after")
-    def _context_is_valid(self) -> ReplayConfig:
-        # Fields valid one by one can still contradict each other (low above high): refuse
-        # them here, where the caller gave them, not in the middle of a replay.
-        try:
-            self.context()
-        except ValidationError as exc:
-            reasons = (e["msg"].removeprefix("Value error, ") for e in exc.errors())
-            raise ValueError("; ".join(reasons)) from None
-        return self
-
-    def context(self) -> ContextSettings:
-        return ContextSettings(
-            policy=self.policy,
-            budget=self.budget,
-            reserve=self.reserve_tokens,
-            high=self.high,
-            low=self.low,
-            eviction=self.eviction,
-            layout=self.layout,
-            summarizer=self.summarizer,
-            **(
-                {}
-                if self.summary_max_tokens is None
-                else {"summary_max_tokens": self.summary_max_tokens}
-            ),
-            recall=self.recall,
-            recall_budget=self.recall_budget,
-            recall_k=self.recall_k,
-            recall_trigger=self.recall_trigger,
-            recall_search=self.recall_search,
-            recall_min_similarity=self.recall_min_similarity,
-        )
-
-    @property
-    def reserve_tokens(self) -> int:
-        if self.reserve is not None:
-            return self.reserve
-        return self.max_tokens if self.mode == "regenerate" else 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +148,7 @@ class Replayer(Closeable):
         self._new_store = store
         backend: Backend
         if config.mode == "dry":
-            if config.summarizer == "llm":
+            if config.context.summarizer == "llm":
                 raise ConfigError("--dry-run loads no model, so it cannot use the llm summarizer")
             path = engine.info().path if engine is not None else None
             if self.codec is None:
@@ -267,10 +169,10 @@ class Replayer(Closeable):
             self._owns_backend = True
         elif engine is None:
             n_ctx = config.budget + config.reserve_tokens
-            if config.summarizer == "llm":
+            if config.context.summarizer == "llm":
                 # The summary request shares the cells: make room for its input chunk (a
                 # quarter of n_ctx, 128..1024, as ChatSession folds) and its output.
-                written = summary_limit(ContextSettings().summary_max_tokens, config.budget)
+                written = summary_limit(config.context.summary_max_tokens, config.budget)
                 while (
                     n_ctx - config.reserve_tokens - written - max(128, min(1024, n_ctx // 4))
                     < config.budget
@@ -333,7 +235,7 @@ class Replayer(Closeable):
                 model=backend,
                 system_prompt=system,
                 settings=settings,
-                context=self.config.context(),
+                context=self.config.session_context(),
                 claim_turns=False,  # a replay is the only writer of the conversations it makes
             ) as chat,
         ):

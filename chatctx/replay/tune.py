@@ -12,7 +12,8 @@ from typing import Any
 from chatctx.backends.base import Codec
 from chatctx.errors import ConfigError
 from chatctx.replay._input import LoggedConversation
-from chatctx.replay._run import ReplayConfig, Replayer, replay_all, summarize
+from chatctx.replay._run import Replayer, replay_all, summarize
+from chatctx.settings import ContextSettings, ReplayConfig
 
 COLUMNS = (
     "budget",
@@ -49,10 +50,9 @@ def sweep(
             for eviction in evictions:
                 config = ReplayConfig(
                     mode="teacher" if with_model else "dry",
-                    budget=budget,
-                    policy=policy,
-                    eviction=eviction,
-                    summarizer=summarizer,
+                    context=ContextSettings(
+                        budget=budget, policy=policy, eviction=eviction, summarizer=summarizer
+                    ),
                 )
                 with Replayer(config, model=model, codec=codec) as replayer:
                     codec = codec or replayer.codec
@@ -109,10 +109,9 @@ def sweep_ubatch(
         for n_ubatch in ubatches:
             config = ReplayConfig(
                 mode="teacher",
-                budget=budget,
-                policy=policy,
-                eviction=eviction,
-                summarizer=summarizer,
+                context=ContextSettings(
+                    budget=budget, policy=policy, eviction=eviction, summarizer=summarizer
+                ),
             )
             n_ctx = budget + config.reserve_tokens
             n_batch = max(512, n_ubatch)

@@ -16,9 +16,10 @@ Needs the ``serve`` extra (FastAPI, uvicorn).
 """
 
 from chatctx.serve._app import create_app
-from chatctx.serve._config import Limits, ServeConfig, build_config_from, check_bind, load_api_keys
+from chatctx.serve._config import build_config_from, check_bind
 from chatctx.serve._runner import serve
 from chatctx.serve._service import Service, make_backend
+from chatctx.settings import Limits, ServeConfig, load_api_keys
 
 __all__ = [
     "Limits",

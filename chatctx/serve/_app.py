@@ -10,12 +10,12 @@ from fastapi import FastAPI
 
 from chatctx import __version__
 from chatctx.backends.base import Backend
-from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import install_handlers
 from chatctx.serve._http import ServeMiddleware
 from chatctx.serve._page import page_router
 from chatctx.serve._routes import router
 from chatctx.serve._service import Service
+from chatctx.settings import ServeConfig
 from chatctx.store import Store
 
 

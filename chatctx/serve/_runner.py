@@ -19,8 +19,9 @@ import uvicorn
 from chatctx.backends.router import backends_from_env
 from chatctx.errors import ConfigError
 from chatctx.serve._app import create_app
-from chatctx.serve._config import ServeConfig, check_bind
+from chatctx.serve._config import check_bind
 from chatctx.serve._service import Service, server_backend_class
+from chatctx.settings import ServeConfig
 
 logger = logging.getLogger("chatctx.serve")
 

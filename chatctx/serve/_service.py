@@ -28,14 +28,19 @@ from chatctx.backends.base import (
     TextEmbedder,
 )
 from chatctx.errors import ChatctxError, ConfigError, DeadlineExceeded
-from chatctx.serve._config import ServeConfig
 from chatctx.serve._errors import APIError
 from chatctx.serve._metrics import ServeMetrics
 from chatctx.serve._tenants import ConversationLocks, Tenancy, TurnLimiter
 from chatctx.serve._turn import Cut
 from chatctx.session import ChatSession
-from chatctx.settings import ContextSettings, GenerationSettings, Settings
-from chatctx.store import Store, new_owner, try_claim
+from chatctx.settings import (
+    SWAP_DISK_MB,
+    ContextSettings,
+    GenerationSettings,
+    ServeConfig,
+    Settings,
+)
+from chatctx.store import CLAIM_TTL_S, Store, new_owner, try_claim
 
 logger = logging.getLogger("chatctx.serve")
 
@@ -62,7 +67,7 @@ def make_backend(
     engine_options: Mapping[str, Any],
     store: Store | None = None,
     slot_save_path: str | None = None,
-    swap_disk_mb: float = 4096.0,
+    swap_disk_mb: float = SWAP_DISK_MB,
 ) -> Backend:
     """The backend ``serve`` runs: the llama-server at ``backend_urls`` (several: a router
     over them, placements kept in ``store``; none given: ``CHATCTX_BACKENDS``), else a
@@ -224,9 +229,6 @@ def warm_up(backend: Backend) -> None:
             logger.warning("%s not ready ahead of the first turn: %s", name, exc)
 
 
-CLAIM_TTL_S = 60.0  # a turn claim's life, renewed every third of it while the turn runs
-
-
 class Service:
     """The store, the backend, the sessions kept open, the limits and the drain state."""
 
@@ -276,7 +278,7 @@ class Service:
                 self.backend = make_backend(
                     self.config.model,
                     self.config.backend_urls,
-                    self.config.engine_options,
+                    {"slots": self.config.slots, **self.config.engine_options},
                     store=self.store,
                     slot_save_path=self.config.slot_save_path,
                     swap_disk_mb=self.config.swap_disk_mb,

@@ -22,7 +22,7 @@ from chatctx.store._records import (
     Turn,
 )
 from chatctx.store._replay import ReplayStore
-from chatctx.store._turn_claim import TurnClaim, new_owner, try_claim
+from chatctx.store._turn_claim import CLAIM_TTL_S, TurnClaim, new_owner, try_claim
 from chatctx.store.jsonl import (
     ConversationRecord,
     export_conversation,
@@ -33,6 +33,7 @@ from chatctx.store.jsonl import (
 )
 
 __all__ = [
+    "CLAIM_TTL_S",
     "ROLES",
     "Conversation",
     "ConversationRecord",

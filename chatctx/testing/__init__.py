@@ -14,7 +14,6 @@ Needs the ``dev`` extra (``gguf``, ``numpy``).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tarfile
@@ -22,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from chatctx.environment import variable
 from chatctx.errors import ModelError
 from chatctx.model.gguf import read_metadata
 from chatctx.model.template import LLAMA3_TEMPLATE
@@ -41,7 +41,7 @@ LLAMA3_EOT = 128009
 
 def assets_dir() -> Path:
     """Where fetched test assets are cached (``CHATCTX_ASSETS`` or ``$CHATCTX_HOME/assets``)."""
-    return Path(os.environ.get("CHATCTX_ASSETS") or default_home() / "assets")
+    return Path(variable("CHATCTX_ASSETS") or default_home() / "assets")
 
 
 def llama3_vocab_path() -> Path:

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from chatctx.environment import variable
 from chatctx.errors import StoreError
 
 if TYPE_CHECKING:
@@ -58,8 +59,9 @@ def find_postgres_bindir() -> Path | None:
     PATH, then Debian's ``/usr/lib/postgresql/<version>/bin`` (newest version first).
     """
     names = ("initdb", "pg_ctl", "postgres")
-    if os.environ.get("CHATCTX_PG_BINDIR"):  # given: that one or none
-        given = Path(os.environ["CHATCTX_PG_BINDIR"])
+    bindir = variable("CHATCTX_PG_BINDIR")
+    if bindir:  # given: that one or none
+        given = Path(bindir)
         return given if all((given / name).is_file() for name in names) else None
     candidates: list[Path] = []
     pg_config = shutil.which("pg_config")

@@ -90,7 +90,7 @@ def test_models_info_errors(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["models", "info", str(bad)])
     assert result.exit_code == 1 and "not a GGUF" in result.output
     small = CliRunner().invoke(cli, ["models", "info", "--n-ctx", "16"])
-    assert small.exit_code == 1 and "invalid engine options" in small.output
+    assert small.exit_code == 2 and "Invalid value for '--n-ctx'" in small.output
 
 
 def test_import_export_list_show(db_url: str, tmp_path: Path) -> None:
@@ -227,7 +227,7 @@ def test_show_and_list_print_markup_like_text_verbatim(db_url: str) -> None:
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["--low", "1.5"], "--low: Input should be less than or equal to 1 (got 1.5)"),
+        (["--low", "1.5"], "Invalid value for '--low': 1.5 is not in the range 0.0<x<=1.0."),
         (["--low", "0.9", "--high", "0.5"], "low watermark 0.9 is above high watermark 0.5"),
     ],
 )

@@ -97,7 +97,7 @@ def test_a_dry_replay_stores_what_a_chat_session_on_the_dry_backend_stores(
             model=backend,
             system_prompt=conv.system_prompt,
             settings=GenerationSettings(max_tokens=config.max_tokens, temperature=0.0),
-            context=config.context(),
+            context=config.session_context(),
         ) as chat,
     ):
         for user, logged in conv.turns():

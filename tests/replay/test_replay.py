@@ -144,7 +144,7 @@ def test_regenerate_counts_the_answers_that_contain_the_fact(tiny_llama3_path: P
                 model=engine,
                 system_prompt=conv.system_prompt,
                 settings=GenerationSettings(max_tokens=8, temperature=0.0),
-                context=config.context(),
+                context=config.session_context(),
             ) as chat,
         ):
             engine.clear()

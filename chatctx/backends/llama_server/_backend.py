@@ -69,7 +69,7 @@ from chatctx.model.codec import PROBES
 from chatctx.model.gguf import model_facts, read_metadata
 from chatctx.model.kv import SERVER_MIN_CHUNK, plan_in_order
 from chatctx.model.paths import resolve_model_path
-from chatctx.settings import GenerationSettings
+from chatctx.settings import SWAP_DISK_MB, GenerationSettings
 
 logger = logging.getLogger("chatctx.backends.llama_server")
 
@@ -120,7 +120,7 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
         chat_format: str | None = None,
         cache_reuse: int = SERVER_MIN_CHUNK,
         swap: bool = False,
-        swap_disk_mb: float = 4096.0,
+        swap_disk_mb: float = SWAP_DISK_MB,
     ) -> None:
         require_httpx()
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):

@@ -24,6 +24,7 @@ from types import TracebackType
 
 import httpx
 
+from chatctx.environment import variable
 from chatctx.errors import BackendUnavailable, ConfigError
 
 PR_SET_PDEATHSIG = 1
@@ -31,7 +32,7 @@ PR_SET_PDEATHSIG = 1
 
 def find_llama_server() -> Path:
     """The llama-server binary: ``CHATCTX_LLAMA_SERVER``, else ``llama-server`` on PATH."""
-    explicit = os.environ.get("CHATCTX_LLAMA_SERVER")
+    explicit = variable("CHATCTX_LLAMA_SERVER")
     if explicit:
         path = Path(explicit).expanduser()
         if not (path.is_file() and os.access(path, os.X_OK)):
