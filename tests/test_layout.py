@@ -154,3 +154,22 @@ def test_chatctx_variables_are_read_in_one_module(tmp_path: Path) -> None:
         'C = os.getenv("CHATCTX_MODEL")\nD = variable("CHATCTX_NOPE")\n'
     )
     assert len(environment_reads(tmp_path / "chatctx")) == 4
+
+
+def test_chat_session_is_one_class_with_collaborators() -> None:
+    """No mixins: ChatSession's bases are only the shared close() protocol, and the engine's
+    slot pool reads no private attribute of the engine."""
+    from chatctx._resource import Closeable
+    from chatctx.session import ChatSession
+
+    assert ChatSession.__mro__ == (ChatSession, Closeable, object)
+    pool = (PACKAGE / "backends" / "engine" / "_pool.py").read_text(encoding="utf-8")
+    reached = [
+        node.attr
+        for node in ast.walk(ast.parse(pool))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and ast.unparse(node.value) in ("engine", "self._engine")
+    ]
+    assert reached == []

@@ -1,7 +1,5 @@
-"""How a ``ChatSession`` builds a turn's context: its builder, budget, recall search and summaries.
-
-Mixed into ``ChatSession`` (``chatctx.session``), which owns the attributes declared here.
-"""
+"""How a ``ChatSession`` builds a turn's context: its builder, budget, recall search and
+summaries (``ConversationContext``, one per session)."""
 
 from __future__ import annotations
 
@@ -9,8 +7,9 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from chatctx.backends.base import Backend, Lease, TextEmbedder
 from chatctx.context import (
@@ -45,32 +44,48 @@ class _Built:
     state_version: int  # of the context state read: the save compares and sets against it
 
 
-class SessionContext:
-    """``ChatSession``'s context building (mixed in)."""
+class ConversationContext:
+    """How a ``ChatSession``'s turns get their context: the builder for the conversation's
+    settings, the budget, recall (by meaning or by words) and the running summary, written
+    inline or in the background. The session owns one and asks it for each turn's build."""
 
-    store: Store
-    engine: Backend
-    conversation_id: str
-    _lease: Lease | None
-    _custom_summarizer: Summarizer | None
-    _embedder: TextEmbedder | None
-    _builder: ContextBuilder | None
-    _builder_settings: ContextSettings | None
-    _background: BackgroundSummarizer | None
-    _meaning: MeaningSearch | None
-    _cancel_summary: threading.Event
-    _turn_under_way: threading.Event
+    def __init__(
+        self,
+        store: Store,
+        engine: Backend,
+        conversation_id: str,
+        *,
+        summarizer: Summarizer | None,
+        embedder: TextEmbedder | None,
+        lease: Callable[[], Lease | None],
+        turn_under_way: threading.Event,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.conversation_id = conversation_id
+        self._custom_summarizer = summarizer
+        # Recall by meaning: this embedder, else the backend's (None: recall by words).
+        self._embedder = embedder
+        self._lease = lease  # the turn's slot, where a summary without a side sequence runs
+        # Clear while a turn is prepared and until its first token: a background summary
+        # waits for it, so it never holds the model ahead of the customer.
+        self._turn_under_way = turn_under_way
+        self._builder: ContextBuilder | None = None
+        self._builder_settings: ContextSettings | None = None
+        self.background: BackgroundSummarizer | None = None  # a summary written off-turn
+        self.meaning: MeaningSearch | None = None  # recall by meaning, when it is used
+        self._cancel_summary = threading.Event()  # set at close: stop writing it
 
-    if TYPE_CHECKING:  # defined by the class this is mixed into
-
-        def conversation_settings(self) -> ConversationSettings: ...
-
-        @property
-        def context_settings(self) -> ContextSettings: ...
+    def conversation_settings(self) -> ConversationSettings:
+        """The stored settings, parsed (once per call)."""
+        return ConversationSettings.parse(
+            self.store.get_conversation(self.conversation_id).settings
+        )
 
     def builder(self) -> ContextBuilder:
         """The context builder for the conversation's current settings."""
-        return self._builder_for(self.context_settings, self.budget()[0])
+        stored = self.conversation_settings()
+        return self._builder_for(stored.context, self._budget(stored.context, stored.generation)[0])
 
     def _builder_for(self, settings: ContextSettings, budget: int) -> ContextBuilder:
         if self._builder is None or self._builder_settings != settings:
@@ -95,8 +110,8 @@ class SessionContext:
                         timeout_s=settings.summary_timeout_s,
                         gate=self._turn_under_way.wait,
                     )
-                    self._stop_summary()  # one written for the settings before, if any
-                    self._background = summarizer
+                    self.stop_summary()  # one written for the settings before, if any
+                    self.background = summarizer
             store = self.store
             self._builder = ContextBuilder(
                 codec,
@@ -127,13 +142,13 @@ class SessionContext:
             embedder = self.engine.embedder()
         if settings.recall and mode == "auto":
             mode = "meaning" if embedder is not None else "words"
-        self._meaning = None
+        self.meaning = None
         if settings.recall and mode == "meaning":
             if embedder is None:  # asked for by name: the local one, or its clear ModelError
                 from chatctx.backends.engine import shared_embedder
 
                 embedder = shared_embedder()
-            self._meaning = MeaningSearch(
+            self.meaning = MeaningSearch(
                 lambda: store.messages(cid),
                 embedder.embed,
                 min_similarity=settings.recall_min_similarity,
@@ -143,8 +158,8 @@ class SessionContext:
             )
             # A resumed conversation: what is not stored yet is embedded while the customer
             # types.
-            self._meaning.warm_messages(store.messages(cid))
-            return self._meaning
+            self.meaning.warm_messages(store.messages(cid))
+            return self.meaning
         return lambda query, before, limit: store.search_messages(
             cid, query, before_position=before, limit=limit, replies=True
         )
@@ -209,13 +224,13 @@ class SessionContext:
         too when the plan evicts turns, and its result is not kept.
         """
         self.builder()  # made now, so that a background summarizer is there to peek at
-        background = self._background
+        background = self.background
         if background is None:
-            return self._build(new_message).result
+            return self.build(new_message).result
         with background.peeking():
-            return self._build(new_message).result
+            return self.build(new_message).result
 
-    def _build(self, new_message: str, sampling: GenerationSettings | None = None) -> _Built:
+    def build(self, new_message: str, sampling: GenerationSettings | None = None) -> _Built:
         """The context for ``new_message``, with the settings it was built under (one read;
         ``sampling`` in place of the stored generation settings)."""
         conversation = self.store.get_conversation(self.conversation_id)
@@ -250,7 +265,7 @@ class SessionContext:
         # and instructions they fit the engine's summary room.
         chunk = max(128, min(1024, self.engine.n_ctx // 4))
         if self._side_sequence():
-            settings = self.context_settings
+            settings = self.conversation_settings().context
             written = summary_limit(
                 settings.summary_max_tokens, settings.budget or self.engine.n_ctx
             )
@@ -271,7 +286,7 @@ class SessionContext:
         sequence it runs on the chat's own, which evicts the chat's cached prefix: the next
         turn re-evaluates its whole prompt.
         """
-        settings = self.context_settings
+        settings = self.conversation_settings().context
         limit = settings.summary_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         sampling = GenerationSettings(
@@ -286,8 +301,9 @@ class SessionContext:
                 deadline=deadline,
                 cancel=self._cancel_summary if background else None,
             )
-        assert self._lease is not None, "summaries run while the turn holds its slot"
-        generation = self.engine.generate(prompt, seq_id=self._lease.seq_id, settings=sampling)
+        lease = self._lease()
+        assert lease is not None, "summaries run while the turn holds its slot"
+        generation = self.engine.generate(prompt, seq_id=lease.seq_id, settings=sampling)
         try:
             for _ in generation:
                 if time.monotonic() > deadline:
@@ -298,11 +314,11 @@ class SessionContext:
             generation.close()
         return generation.text
 
-    def _stop_summary(self) -> None:
+    def stop_summary(self) -> None:
         """Stop a summary still being written in the background and wait until its side
         sequence is free again: once the session is gone nobody would take the result, and
         the engine could not clear or reuse that sequence meanwhile."""
-        background, self._background = self._background, None
+        background, self.background = self.background, None
         if background is None or not background.running():
             return
         self.engine.cancel_side(self._cancel_summary)

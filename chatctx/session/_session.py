@@ -7,9 +7,10 @@
         for chunk in chat.stream("Can you check again?"):
             print(chunk, end="")
 
-How a turn's context is built (builder, budget, recall search, summaries) lives in
-``_session_context``, the asyncio bridge in ``_session_async``, and the storing of a turn
-with its record in ``_turn``; ``ChatSession`` mixes them in.
+The session owns its state and works with collaborators: a ``ConversationContext``
+(``_context``: builder, budget, recall search, summaries) builds each turn's context,
+``store_turn`` (``_turn``) stores a turn with its record, and ``stream_in_thread``
+(``_async``) carries a turn's chunks from its worker thread to asyncio.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ from pydantic import ValidationError
 from chatctx._resource import Closeable
 from chatctx.backends.base import (
     Backend,
+    GenerationResult,
     Lease,
     Stream,
     TextEmbedder,
 )
 from chatctx.context import (
-    BackgroundSummarizer,
     BuildResult,
     ContextBuilder,
-    MeaningSearch,
+    ContextPlan,
     Summarizer,
 )
 from chatctx.errors import (
@@ -48,9 +49,9 @@ from chatctx.errors import (
     ContextStateConflict,
     DeadlineExceeded,
 )
-from chatctx.session._async import AsyncTurns
-from chatctx.session._context import SessionContext, _Built, open_conversation
-from chatctx.session._turn import Reply, TurnInFlight, TurnRecording
+from chatctx.session._async import stream_in_thread
+from chatctx.session._context import ConversationContext, _Built, open_conversation
+from chatctx.session._turn import Reply, TurnInFlight, store_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.store import Message, Store, Turn, TurnClaim
 
@@ -62,7 +63,7 @@ STATE_ATTEMPTS = 3  # builds of a turn's context when another writer saves its s
 MAX_FAILOVERS = 2  # a turn whose backend fails before its first token is retried this often
 
 
-class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
+class ChatSession(Closeable):
     """A conversation stored in a ``Store`` and answered by a backend (an ``Engine``).
 
     The user message is committed before generation starts; the assistant message when it
@@ -96,24 +97,25 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         self.seq_id = seq_id
         self._pinned = seq_id is not None
         self._lease: Lease | None = None
-        self._custom_summarizer = summarizer
-        # Recall by meaning: this embedder, else the backend's (None: recall by words).
-        self._embedder = embedder
         # Each turn claims the conversation in the store (``_turn_claim``), so turns of other
         # processes on it wait: False for a caller that serializes them itself.
         self._claim_turns = claim_turns
         self.on_turn = on_turn
         self._owns_store = owns_store
         self._owns_engine = owns_engine
-        self._builder: ContextBuilder | None = None
-        self._background: BackgroundSummarizer | None = None  # a summary written off-turn
-        self._meaning: MeaningSearch | None = None  # recall by meaning, when it is used
-        self._cancel_summary = threading.Event()  # set at close: stop writing it
         # Clear while a turn is prepared and until its first token: a background summary the
         # turn starts waits for it, so it never holds the model ahead of the customer.
         self._turn_under_way = threading.Event()
         self._turn_under_way.set()
-        self._builder_settings: ContextSettings | None = None
+        self._context = ConversationContext(
+            store,
+            engine,
+            conversation_id,
+            summarizer=summarizer,
+            embedder=embedder,
+            lease=lambda: self._lease,
+            turn_under_way=self._turn_under_way,
+        )
         # Turns in flight (any thread): close() ends them before it closes anything.
         self._turns: set[TurnInFlight] = set()
         self._turns_changed = threading.Condition()
@@ -240,7 +242,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
                     self.conversation_id,
                     len(self._turns),
                 )
-        self._stop_summary()
+        self._context.stop_summary()
         if self._pinned and not self.engine.closed:
             self.engine.unpin(self.conversation_id)
         if self._owns_engine:
@@ -264,8 +266,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
 
     def conversation_settings(self) -> ConversationSettings:
         """The stored settings, parsed (once per call)."""
-        stored = self.store.get_conversation(self.conversation_id).settings
-        return ConversationSettings.parse(stored)
+        return self._context.conversation_settings()
 
     @property
     def settings(self) -> GenerationSettings:
@@ -274,6 +275,45 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
     @property
     def context_settings(self) -> ContextSettings:
         return self.conversation_settings().context
+
+    # the context -------------------------------------------------------------------------
+
+    def builder(self) -> ContextBuilder:
+        """The context builder for the conversation's current settings."""
+        return self._context.builder()
+
+    def budget(self, settings: ConversationSettings | None = None) -> tuple[int, int]:
+        """(prompt token budget, tokens reserved for the reply) under ``settings`` (default:
+        the stored ones, read now).
+
+        The budget is what one slot holds less the reply's reserve; summaries have cells of
+        their own (the engine's summary room), so they never take from it.
+        """
+        return self._context.budget(settings)
+
+    def check_fits(
+        self,
+        message: str,
+        settings: ConversationSettings | None = None,
+        *,
+        system_prompt: str | None = None,
+    ) -> None:
+        """Raise ``ContextBudgetError`` now when ``message`` can never be sent: the system
+        prompt and it alone exceed the budget (and ``truncate_oversized`` is off).
+
+        The turn would refuse it too, but only once it runs: a caller that writes other
+        messages first (``chatctx serve`` storing a request's earlier messages) asks here.
+        """
+        self._context.check_fits(message, settings, system_prompt=system_prompt)
+
+    def plan(self, new_message: str) -> BuildResult:
+        """Build the context for ``new_message`` without sending or storing anything.
+
+        A summary finished in the background shows in the plan and is still taken by the
+        next turn; none is started. An inline summarizer (extractive, a callable) runs here
+        too when the plan evicts turns, and its result is not kept.
+        """
+        return self._context.plan(new_message)
 
     def history(self) -> list[Message]:
         """Every stored message of this conversation, in order (never trimmed)."""
@@ -308,7 +348,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
     async def asend(self, text: str, *, settings: Sampling = None) -> Reply:
         """``send`` for asyncio: the turn runs in a worker thread, batched with the others."""
         replies: list[Reply] = []
-        async for _ in self._astream(text, replies, settings=_settings_or_none(settings)):
+        async for _ in self._astream(text, replies, None, _settings_or_none(settings)):
             pass
         return _stored(replies)
 
@@ -329,6 +369,56 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
         raised here, and the turn is then not started. ``settings``: as for ``send``.
         """
         return self._astream(text, None, before, _settings_or_none(settings))
+
+    def _astream(
+        self,
+        text: str,
+        replies: list[Reply] | None,
+        before: Callable[[], None] | None,
+        sampling: GenerationSettings | None,
+    ) -> AsyncIterator[str]:
+        return stream_in_thread(
+            lambda cut: self._open_stream(text, replies, sampling, cut=cut), self._cut, before
+        )
+
+    def _cut(self, cut: threading.Event) -> None:
+        """Stop the turn whose reader left (``cut`` is set): closing the backend's stream
+        stops a prefill under way too; the turn's own thread then stores what was generated
+        (``partial``), as when the reader closes the stream."""
+        with self._turns_changed:
+            turns = [t for t in self._turns if t.cut is cut]
+        for turn in turns:
+            with turn.lock:  # a user message being written, a generation being started
+                stream = turn.stream
+            if stream is not None:
+                stream.close()
+
+    def _store_turn(
+        self,
+        user: Message,
+        result: GenerationResult,
+        plan: ContextPlan,
+        clock: tuple[float, float, float, float],
+        lease: Lease,
+        *,
+        store_reply: bool = True,
+    ) -> Reply:
+        reply = store_turn(
+            self.store,
+            self.engine,
+            self.conversation_id,
+            user,
+            result,
+            plan,
+            clock,
+            lease,
+            store_reply=store_reply,
+            meaning=self._context.meaning,
+        )
+        self.last_reply = reply
+        if self.on_turn is not None and reply.turn is not None:
+            self.on_turn(reply.turn)
+        return reply
 
     def _open_stream(
         self,
@@ -504,7 +594,7 @@ class ChatSession(SessionContext, AsyncTurns, TurnRecording, Closeable):
             raise ConfigError("empty message")
         for attempt in range(1, STATE_ATTEMPTS + 1):
             # raises ContextBudgetError before anything is stored
-            prepared = self._build(text, sampling)
+            prepared = self._context.build(text, sampling)
             built = self.last_build = prepared.result
             plan = built.plan
             if not (

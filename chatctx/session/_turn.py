@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -147,114 +146,108 @@ def request_timings(
     )
 
 
-class TurnRecording:
-    """``ChatSession``'s storing of a turn with its record (mixed in)."""
+def _gauges(
+    engine: Backend, conversation_id: str
+) -> tuple[dict[str, int] | None, MemorySnapshot | None]:
+    """The cache's cells per sequence and the memory figures for a turn record; None where
+    the backend cannot tell (a server refusing ``/slots``): a reply is stored without them,
+    never lost for them."""
+    if engine.closed:
+        return None, None
+    try:
+        cells = {str(seq): n for seq, n in engine.kv_usage().items()}
+    except ChatctxError as exc:
+        logger.warning("cache cells of %s not read: %s", conversation_id, exc)
+        cells = None
+    try:
+        memory = engine.memory()
+    except ChatctxError as exc:
+        logger.warning("memory figures not read: %s", exc)
+        memory = None
+    return cells, memory
 
-    store: Store
-    engine: Backend
-    conversation_id: str
-    _meaning: MeaningSearch | None
-    last_reply: Reply | None
-    on_turn: Callable[[Turn], None] | None
 
-    def _gauges(self) -> tuple[dict[str, int] | None, MemorySnapshot | None]:
-        """The cache's cells per sequence and the memory figures for a turn record; None
-        where the backend cannot tell (a server refusing ``/slots``): a reply is stored
-        without them, never lost for them."""
-        if self.engine.closed:
-            return None, None
-        try:
-            cells = {str(seq): n for seq, n in self.engine.kv_usage().items()}
-        except ChatctxError as exc:
-            logger.warning("cache cells of %s not read: %s", self.conversation_id, exc)
-            cells = None
-        try:
-            memory = self.engine.memory()
-        except ChatctxError as exc:
-            logger.warning("memory figures not read: %s", exc)
-            memory = None
-        return cells, memory
+def store_turn(
+    store: Store,
+    engine: Backend,
+    conversation_id: str,
+    user: Message,
+    result: GenerationResult,
+    plan: ContextPlan,
+    clock: tuple[float, float, float, float],
+    lease: Lease,
+    *,
+    store_reply: bool = True,
+    meaning: MeaningSearch | None = None,
+) -> Reply:
+    """Store the reply and the turn's figures in one transaction. ``clock``: perf_counter()
+    stamps of the request, of the slot being leased, of the context being built and of the
+    user message being stored. ``meaning`` (recall by meaning) embeds the two messages now,
+    to be searched once they are evicted.
 
-    def _store_turn(
-        self,
-        user: Message,
-        result: GenerationResult,
-        plan: ContextPlan,
-        clock: tuple[float, float, float, float],
-        lease: Lease,
-        *,
-        store_reply: bool = True,
-    ) -> Reply:
-        """Store the reply and the turn's figures in one transaction. ``clock``:
-        perf_counter() stamps of the request, of the slot being leased, of the context being
-        built and of the user message being stored.
-
-        A failure logs the reply's text (nothing the client saw is lost without a trace) and
-        raises ``StoreError`` (``ClosedError`` for a closed store) chained to the cause.
-        """
-        complete = result.stop_reason in ("eog", "length")
-        timings = request_timings(result, plan, clock)
-        cells, memory = self._gauges()
-        figures = turn_figures(
-            result,
-            plan,
-            timings,
-            lease,
-            model=self.engine.model_name,
-            n_ctx=self.engine.n_ctx,
-            cells=cells,
-            memory=memory,
+    A failure logs the reply's text (nothing the client saw is lost without a trace) and
+    raises ``StoreError`` (``ClosedError`` for a closed store) chained to the cause.
+    """
+    complete = result.stop_reason in ("eog", "length")
+    timings = request_timings(result, plan, clock)
+    cells, memory = _gauges(engine, conversation_id)
+    figures = turn_figures(
+        result,
+        plan,
+        timings,
+        lease,
+        model=engine.model_name,
+        n_ctx=engine.n_ctx,
+        cells=cells,
+        memory=memory,
+    )
+    message = None
+    if store_reply and (result.text or complete):
+        message = {
+            "role": "assistant",
+            "content": result.text,
+            "status": "complete" if complete else "partial",
+        }
+    try:
+        if store.closed:
+            raise ClosedError("store")
+        assistant, turn = store.record_reply(
+            conversation_id, message, user_message_id=user.id, **figures
         )
-        message = None
-        if store_reply and (result.text or complete):
-            message = {
-                "role": "assistant",
-                "content": result.text,
-                "status": "complete" if complete else "partial",
-            }
-        try:
-            if self.store.closed:
-                raise ClosedError("store")
-            assistant, turn = self.store.record_reply(
-                self.conversation_id, message, user_message_id=user.id, **figures
-            )
-        except Exception as exc:
-            logger.error(
-                "reply of %s not stored (%s: %s); its text: %r",
-                self.conversation_id,
-                type(exc).__name__,
-                exc,
-                result.text,
-            )
-            if isinstance(exc, ChatctxError):
-                raise
-            raise StoreError(f"reply of {self.conversation_id} not stored: {exc}") from exc
-        if self._meaning is not None:  # embedded now, searched once evicted
-            self._meaning.warm([user.content, *([assistant.content] if assistant else [])])
-        reply = Reply(
-            text=result.text,
-            user_message_id=user.id,
-            message_id=assistant.id if assistant else None,
-            usage=result.usage,
-            timings=timings,
-            stop_reason=result.stop_reason,
-            turn=turn,
-            plan=plan,
+    except Exception as exc:
+        logger.error(
+            "reply of %s not stored (%s: %s); its text: %r",
+            conversation_id,
+            type(exc).__name__,
+            exc,
+            result.text,
         )
-        logger.debug(
-            "turn %s: prompt %d (new %d, reused %d, evaluated %d), evicted %s, shifted %s, "
-            "cells %s, ttft %s ms",
-            turn.id,
-            turn.prompt_tokens,
-            turn.new_tokens or 0,
-            turn.reused_tokens,
-            turn.evaluated_tokens,
-            turn.evicted_tokens,
-            turn.shifted_tokens,
-            turn.cells_used,
-            turn.ttft_ms,
-        )
-        self.last_reply = reply
-        if self.on_turn is not None:
-            self.on_turn(turn)
-        return reply
+        if isinstance(exc, ChatctxError):
+            raise
+        raise StoreError(f"reply of {conversation_id} not stored: {exc}") from exc
+    if meaning is not None:  # embedded now, searched once evicted
+        meaning.warm([user.content, *([assistant.content] if assistant else [])])
+    reply = Reply(
+        text=result.text,
+        user_message_id=user.id,
+        message_id=assistant.id if assistant else None,
+        usage=result.usage,
+        timings=timings,
+        stop_reason=result.stop_reason,
+        turn=turn,
+        plan=plan,
+    )
+    logger.debug(
+        "turn %s: prompt %d (new %d, reused %d, evaluated %d), evicted %s, shifted %s, "
+        "cells %s, ttft %s ms",
+        turn.id,
+        turn.prompt_tokens,
+        turn.new_tokens or 0,
+        turn.reused_tokens,
+        turn.evaluated_tokens,
+        turn.evicted_tokens,
+        turn.shifted_tokens,
+        turn.cells_used,
+        turn.ttft_ms,
+    )
+    return reply

@@ -414,6 +414,50 @@ class Engine(PooledLeases, Closeable):
         with self._locked():
             return {seq: self.kv_cells(seq) for seq in range(self.config.n_seq_max)}
 
+    def mirrored_cells(self) -> dict[int, int]:
+        """Tokens each sequence holds, as chatctx mirrors llama.cpp's cache (no llama.cpp
+        call: cheap enough for the slot table written after each turn)."""
+        return {seq: len(tokens) for seq, tokens in list(self._mirror.items())}
+
+    def export_sequence(
+        self, seq_id: int, *, clear: bool = False
+    ) -> tuple[tuple[int, ...], bytes | None, str | None]:
+        """(tokens, llama.cpp's state, why no state) of sequence ``seq_id``: the state is None
+        for an empty sequence, or with the reason when llama.cpp cannot save it. ``clear``
+        empties the sequence after (a slot handed to another conversation)."""
+        with self._locked():
+            if self.context.closed:
+                raise ClosedError("engine")
+            tokens = tuple(self._mirror[seq_id])
+            data: bytes | None = None
+            error: str | None = None
+            if tokens:
+                try:
+                    data = self.context.state_seq_get(seq_id)
+                except ChatctxError as exc:
+                    error = str(exc)
+            if clear:
+                self.context.seq_rm(seq_id, 0, -1)
+                self._mirror[seq_id].clear()
+        return tokens, data, error
+
+    def import_sequence(self, seq_id: int, tokens: Sequence[int], data: bytes) -> str | None:
+        """Load a state ``export_sequence`` gave into sequence ``seq_id`` (emptied first);
+        None once it holds ``tokens``, else why llama.cpp refused it (the sequence is then
+        left empty)."""
+        with self._locked():
+            self._check_open()
+            context = self.context
+            context.seq_rm(seq_id, 0, -1)
+            self._mirror[seq_id].clear()
+            ok = context.state_seq_set(seq_id, data)
+            lo, hi = context.seq_pos_min(seq_id), context.seq_pos_max(seq_id)
+            if ok and lo == 0 and hi == len(tokens) - 1:
+                self._mirror[seq_id].extend(tokens)
+                return None
+            context.seq_rm(seq_id, 0, -1)
+        return f"llama.cpp refused the saved state (positions {lo}..{hi} for {len(tokens)} tokens)"
+
     def memory(self) -> MemorySnapshot:
         """This process's resident set and the GPU's memory (NVML): the engine lives here."""
         return memory_snapshot()

@@ -110,18 +110,9 @@ class KVSlots:
 
     def _swap_out(self, seq_id: int, owner: str) -> None:
         t0 = time.perf_counter()
-        engine = self._engine
-        with engine._locked():
-            engine._check_open()
-            tokens = tuple(engine._mirror[seq_id])
-            data: bytes | None = None
-            if tokens:
-                try:
-                    data = engine.context.state_seq_get(seq_id)
-                except ChatctxError as exc:
-                    logger.warning("state of %s not saved: %s", owner, exc)
-            engine.context.seq_rm(seq_id, 0, -1)
-            engine._mirror[seq_id].clear()
+        tokens, data, error = self._engine.export_sequence(seq_id, clear=True)
+        if error is not None:
+            logger.warning("state of %s not saved: %s", owner, error)
         if data is None:
             self.swap.discard(owner)
             return
@@ -143,23 +134,10 @@ class KVSlots:
                 logger.info("conversation %s re-prefills: %s", owner, hit.reason)
             return hit, 0.0
         entry = hit.entry
-        engine = self._engine
-        with engine._locked():
-            engine._check_open()
-            engine.context.seq_rm(seq_id, 0, -1)
-            engine._mirror[seq_id].clear()
-            ok = engine.context.state_seq_set(seq_id, entry.data)
-            lo, hi = engine.context.seq_pos_min(seq_id), engine.context.seq_pos_max(seq_id)
-            if ok and lo == 0 and hi == len(entry.tokens) - 1:
-                engine._mirror[seq_id].extend(entry.tokens)
-            else:
-                engine.context.seq_rm(seq_id, 0, -1)
-                reason = (
-                    f"llama.cpp refused the saved state (positions {lo}..{hi} for "
-                    f"{len(entry.tokens)} tokens)"
-                )
-                self.counters.reprefill += 1
-                return SwapHit(None, None, reason), 0.0
+        reason = self._engine.import_sequence(seq_id, entry.tokens, entry.data)
+        if reason is not None:
+            self.counters.reprefill += 1
+            return SwapHit(None, None, reason), 0.0
         ms = (time.perf_counter() - t0) * 1000
         c = self.counters
         if hit.where == "disk":
@@ -177,15 +155,13 @@ class KVSlots:
         if self.swap.directory is None or engine.context.closed:
             return
         for slot in self.pool.slots:
-            tokens = tuple(engine._mirror[slot.seq_id])
-            if slot.owner is None or not tokens:
+            if slot.owner is None:
                 continue
-            try:
-                data = engine.context.state_seq_get(slot.seq_id)
-            except ChatctxError as exc:
-                logger.warning("state of %s not kept: %s", slot.owner, exc)
-                continue
-            self.swap.persist(SwapEntry(slot.owner, tokens, data, self.swap.fingerprint))
+            tokens, data, error = engine.export_sequence(slot.seq_id)
+            if error is not None:
+                logger.warning("state of %s not kept: %s", slot.owner, error)
+            if data is not None:
+                self.swap.persist(SwapEntry(slot.owner, tokens, data, self.swap.fingerprint))
         self.swap.persist_ram()
 
     def table(self, batch: BatchCounters) -> dict[str, Any]:
@@ -194,7 +170,7 @@ class KVSlots:
         cells: dict[int, int] = {}
         if not engine.closed:
             with contextlib.suppress(ChatctxError):
-                cells = {s: len(m) for s, m in engine._mirror.items()}
+                cells = engine.mirrored_cells()
         c = self.counters
         return {
             "version": 1,
