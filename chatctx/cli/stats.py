@@ -87,18 +87,7 @@ def stats(
     swap and batching counters) and, from the stored turns (all, or the named conversation's),
     how many started from a swap-in or a re-prefill.
     """
-    tables: list[tuple[Path, SlotTable]] | None = None
-    if slots_file is not None:
-        tables = [(slots_file, read_slot_table(slots_file))]
-    elif slots:
-        tables = live_slot_tables()
-        if not tables and default_slots_path().is_file():  # the older, one-engine layout
-            tables = [(default_slots_path(), read_slot_table(default_slots_path()))]
-        if not tables:
-            raise StoreError(
-                f"no running engine has written a slot table under {engines_dir()} "
-                f"(nor is there {default_slots_path()})"
-            )
+    tables = _slot_tables(slots_file, slots)
     with Store(resolve_db(db)) as store:
         per_backend = None
         if backends:
@@ -158,6 +147,28 @@ def stats(
             raise ConfigError("name a conversation (or use --prometheus or --slots for all)")
         store.get_conversation(conversation_id)
         turns = store.turns(conversation_id)
+    _show_turns(conversation_id, turns, as_json)
+
+
+def _slot_tables(slots_file: Path | None, slots: bool) -> list[tuple[Path, SlotTable]] | None:
+    """The slot tables to report: the named file, every live engine's (--slots), or None."""
+    if slots_file is not None:
+        return [(slots_file, read_slot_table(slots_file))]
+    if not slots:
+        return None
+    tables = live_slot_tables()
+    if not tables and default_slots_path().is_file():  # the older, one-engine layout
+        tables = [(default_slots_path(), read_slot_table(default_slots_path()))]
+    if not tables:
+        raise StoreError(
+            f"no running engine has written a slot table under {engines_dir()} "
+            f"(nor is there {default_slots_path()})"
+        )
+    return tables
+
+
+def _show_turns(conversation_id: str, turns: list[Turn], as_json: bool) -> None:
+    """One conversation's turns as a table (or JSON), with totals and memory figures."""
     summary = totals(turns)
     if as_json:
         print_json(
