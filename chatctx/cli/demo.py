@@ -189,6 +189,13 @@ def demo(
             }
         )
         return
+    _show_figures(replies, budget, cid, dry)
+
+
+def _show_figures(
+    replies: list[Reply], budget: int, cid: str, dry: dict[str, dict[str, Any]]
+) -> None:
+    """The per-turn table, the totals, and what the dry runs say trimming would cost."""
     table = Table(
         "turn",
         "prompt",
