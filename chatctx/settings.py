@@ -111,11 +111,10 @@ class ContextSettings(_Model):
     recall_trigger: Literal["question", "any-question", "always"] = Field(
         "question",
         description="question: recall for a message that asks back (a question about the "
-        "speaker, 'what's my dog called?', or pointing back, 'what was it again?'; or "
-        "'remind me', 'i forgot what', 'you told me'; talk with a question in it, 'yeah I "
-        "know right?', does not), and for another question only the closest sentence of each "
-        "match by meaning at least recall_near_similarity close; any-question: every "
-        "question in full; always: every message.",
+        "speaker, one that points back at something said before, or a request to be "
+        "reminded; small talk with a question mark does not), and for another question "
+        "only the closest sentence of each match by meaning at least recall_near_similarity "
+        "close; any-question: every question in full; always: every message.",
     )
     recall_near_similarity: float = Field(
         0.5,
