@@ -23,6 +23,19 @@ from chatctx.errors import ClosedError, ConfigError, DeadlineExceeded
 __all__ = ["Lease", "SlotPool"]
 
 
+# A waiter whose lease timed out keeps its place in the line this long: a caller that polls
+# (``ChatSession`` asks again every half second, to notice a close) is not sent to the back
+# of the line each time, behind conversations that came after it.
+AWAY_S = 2.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    owner: str
+    thread: int
+    away_until: float | None = None  # set while its caller is between two lease calls
+
+
 @dataclass
 class _Slot:
     seq_id: int
@@ -62,7 +75,7 @@ class SlotPool:
         self._moving: set[str] = set()  # owners whose state is being saved or restored
         # Conversations waiting for a slot, in arrival order: a freed slot goes to the one
         # waiting longest, never to whichever thread wakes first or comes last.
-        self._line: collections.deque[tuple[object, str]] = collections.deque()
+        self._line: collections.deque[_Waiter] = collections.deque()
 
     def owner_of(self, seq_id: int) -> str | None:
         return self.slots[seq_id].owner if seq_id < len(self.slots) else None
@@ -87,7 +100,11 @@ class SlotPool:
         victim: _Slot | None = None
         loser: str | None = None
         with self._cv:
-            turn: object | None = None  # our place in the line, once we wait
+            # Our place in the line, once we wait: kept from a call of this thread for this
+            # owner that timed out a moment ago.
+            turn = self._resume(owner)
+            resumed = turn is not None
+            served = False
             try:
                 while True:
                     self._check_open()
@@ -102,15 +119,17 @@ class SlotPool:
                         if slot is not None and not slot.leased:
                             self._take(slot)
                             lease = Lease(owner, slot.seq_id, ticket=slot.ticket)
+                            served = True
                             break
                         if slot is None and (victim := self._victim()) is not None:
                             loser, victim.owner = victim.owner, owner
                             self._take(victim)
                             self._moving.update(o for o in (owner, loser) if o is not None)
+                            served = True
                             break
                     if turn is None:
-                        turn = object()
-                        self._line.append((turn, owner))
+                        turn = _Waiter(owner, threading.get_ident())
+                        self._line.append(turn)
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise DeadlineExceeded(
@@ -119,10 +138,19 @@ class SlotPool:
                             seconds=timeout,
                         )
                     self._cv.wait(left)
+            except DeadlineExceeded:
+                # A caller that waited (or had waited) asks again soon: it keeps its place.
+                # A mere try (timeout 0, not in line before) leaves none.
+                if turn is not None and (resumed or (timeout or 0) > 0):
+                    turn.away_until = time.monotonic() + AWAY_S
+                    turn = None
+                raise
             finally:
-                if turn is not None:  # served, timed out or closed: the next in line goes
-                    self._line.remove((turn, owner))
+                if turn is not None:  # served or closed: the next in line goes
+                    self._line.remove(turn)
                     self._cv.notify_all()
+                elif not served:
+                    self._cv.notify_all()  # one away holds no one up
         if victim is None:
             self._on_change()
             return lease
@@ -262,16 +290,31 @@ class SlotPool:
         slot.last_use = time.monotonic()
         slot.last_use_wall = datetime.now(UTC).isoformat()
 
-    def _next_in_line(self, turn: object | None) -> bool:
+    def _resume(self, owner: str) -> _Waiter | None:
+        """This thread's place in line for ``owner``, kept from a lease that timed out; the
+        places of callers that did not come back in time are dropped."""
+        now, thread = time.monotonic(), threading.get_ident()
+        found = None
+        for waiter in list(self._line):
+            if waiter.away_until is None:
+                continue
+            if waiter.owner == owner and waiter.thread == thread and found is None:
+                waiter.away_until = None
+                found = waiter
+            elif waiter.away_until < now:
+                self._line.remove(waiter)
+        return found
+
+    def _next_in_line(self, turn: _Waiter | None) -> bool:
         """Whether the holder of ``turn`` (None: not in line yet) is the first in line who
         can take a slot now: one who cannot (its state is being moved, its own slot is busy
         with another of its turns, or no slot is free for it) holds no one up, such as the
         owner of an idle pinned slot, which no one else may take."""
         room = self._victim() is not None  # the same for every waiter without a slot
-        for waiting, owner in self._line:
-            if owner in self._moving:
-                continue
-            slot = self.slot_of(owner)
+        for waiting in self._line:
+            if waiting.away_until is not None or waiting.owner in self._moving:
+                continue  # between two calls, its state moving: it holds no one up
+            slot = self.slot_of(waiting.owner)
             if not slot.leased if slot is not None else room:
                 return waiting is turn
         return turn is None

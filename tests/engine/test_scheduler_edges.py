@@ -253,14 +253,56 @@ def test_no_one_takes_the_slot_a_waiting_conversation_is_owed(barger: str) -> No
     assert pool.lease("b", timeout=0).seq_id == 0
 
 
-def test_a_waiter_that_gives_up_leaves_the_line() -> None:
+def test_a_waiter_that_gives_up_holds_no_one_up() -> None:
     pool = _pool(1)
     first = pool.lease("a")
     with pytest.raises(DeadlineExceeded):
         pool.lease("impatient", timeout=0.05)
-    assert len(pool._line) == 0
     pool.release(first)
     assert pool.lease("next", timeout=1).owner == "next"
+    # A mere try (timeout 0) leaves no place in line at all.
+    with pytest.raises(DeadlineExceeded):
+        pool.lease("try", timeout=0)
+    assert [w.owner for w in pool._line] == ["impatient"]  # away, dropped after AWAY_S
+
+
+def test_a_polling_waiter_keeps_its_place_in_line() -> None:
+    # ChatSession asks for a slot in half-second polls (to notice a close). The oracle is the
+    # arrival order: "early" polls from before "late" asks, so it is served first. Before,
+    # each poll that timed out sent it to the back of the line, behind "late".
+    pool = _pool(1)
+    first = pool.lease("a")
+    served: list[str] = []
+    stop = threading.Event()
+
+    def polling() -> None:
+        while not stop.is_set():
+            try:
+                lease = pool.lease("early", timeout=0.02)
+            except DeadlineExceeded:
+                continue
+            served.append("early")
+            pool.release(lease)
+            return
+
+    def waiting() -> None:
+        lease = pool.lease("late", timeout=10)
+        served.append("late")
+        pool.release(lease)
+
+    early = threading.Thread(target=polling, daemon=True)
+    early.start()
+    _wait_for_line(pool, 1)
+    time.sleep(0.1)  # several polls of "early" time out
+    late = threading.Thread(target=waiting, daemon=True)
+    late.start()
+    _wait_for_line(pool, 2)
+    time.sleep(0.1)  # and several more, with "late" in line behind it
+    pool.release(first)
+    early.join(10)
+    late.join(10)
+    stop.set()
+    assert served == ["early", "late"]
 
 
 def test_the_owner_of_an_idle_pinned_slot_never_waits_in_line() -> None:
