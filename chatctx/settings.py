@@ -397,6 +397,12 @@ class ServeConfig(_Model):
         "given to another conversation is saved there and restored when its conversation "
         "comes back. None: no swap (the server's own host-RAM prompt cache still works).",
     )
+    summary_slot: bool = Field(
+        False,
+        description="With llama-servers: keep each server's last slot for background LLM "
+        "summaries (conversations whose summarizer is 'llm'). Off: every slot serves "
+        "customers, and an LLM summary runs on its conversation's own slot.",
+    )
     swap_disk_mb: float = Field(
         SWAP_DISK_MB,
         gt=0,

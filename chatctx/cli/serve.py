@@ -44,6 +44,7 @@ def _logging(access_log: bool) -> None:
 )
 @field_option(ServeConfig, "slot_save_path", metavar="DIR")
 @field_option(ServeConfig, "swap_disk_mb")
+@field_option(ServeConfig, "summary_slot")
 @field_option(ServeConfig, "slots")
 @click.option(
     "--api-keys",

@@ -68,12 +68,14 @@ def make_backend(
     store: Store | None = None,
     slot_save_path: str | None = None,
     swap_disk_mb: float = SWAP_DISK_MB,
+    summary_slot: bool = False,
 ) -> Backend:
     """The backend ``serve`` runs: the llama-server at ``backend_urls`` (several: a router
     over them, placements kept in ``store``; none given: ``CHATCTX_BACKENDS``), else a
     local engine. With servers, ``model`` is the GGUF the local tokenizer reads, and
     ``slot_save_path`` their ``--slot-save-path``: slots given away are swapped there (at
-    most ``swap_disk_mb``)."""
+    most ``swap_disk_mb``); ``summary_slot`` keeps each server's last slot for LLM
+    summaries, else every slot serves customers."""
     from chatctx.backends.router import backends_from_env
 
     urls = list(backend_urls) or backends_from_env()
@@ -84,7 +86,7 @@ def make_backend(
             if slot_save_path
             else {}
         )
-        backends = [server(url, model=model, **swap) for url in urls]
+        backends = [server(url, model=model, summary_slot=summary_slot, **swap) for url in urls]
         if len(backends) == 1:
             backend: Backend = backends[0]
             return backend
@@ -282,6 +284,7 @@ class Service:
                     store=self.store,
                     slot_save_path=self.config.slot_save_path,
                     swap_disk_mb=self.config.swap_disk_mb,
+                    summary_slot=self.config.summary_slot,
                 )
             warm_up(self.backend)
             self.loaded = True

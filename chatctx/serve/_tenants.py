@@ -88,7 +88,9 @@ class TurnLimiter:
         if current >= self.limit:
             raise APIError(
                 429,
-                f"too many turns in flight for this key ({self.limit}); retry shortly",
+                f"too many turns in flight for this key: {self.limit} at once, the limit "
+                "max_concurrent_turns (chatctx serve --max-concurrent-turns N raises it; turns "
+                f"beyond the model's slots wait in line for one); retry after {self.retry_after} s",
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(self.retry_after)},
             )

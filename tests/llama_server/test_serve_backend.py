@@ -28,12 +28,14 @@ from tests.serve.conftest import ServerProcess
 pytestmark = pytest.mark.slow
 
 
-def _talk(serve: ServerProcess, conversation: str, turns: int) -> None:
+def _talk(
+    serve: ServerProcess, conversation: str, turns: int, ask: str = "where is my parcel?"
+) -> None:
     client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=600)
     for turn in range(turns):
         reply = client.chat.completions.create(
             model="chatctx",
-            messages=[{"role": "user", "content": f"question {turn}: where is my parcel?"}],
+            messages=[{"role": "user", "content": f"question {turn}: {ask}"}],
             max_tokens=4,
             temperature=0,
             extra_body={"conversation": conversation},
@@ -92,15 +94,45 @@ def test_serve_routes_over_several_llama_servers(
             s.stop()
 
 
+@pytest.mark.parametrize("summary_slot", [False, True])
+def test_every_server_slot_serves_customers_unless_a_summary_slot_is_asked_for(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path, summary_slot: bool
+) -> None:
+    # Two slots, two customers, the default (extractive) summarizer. The oracle is the
+    # server's own cache reuse (cache_n) on each customer's second turn: with both slots
+    # serving, each keeps its cache; with one kept for summaries they share the other, and
+    # each turn finds the other customer's prompt there (no swap path given).
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    try:
+        flag = ["--summary-slot"] if summary_slot else []
+        serve = ServerProcess(tmp_path, smollm2_path, "--backend", server.url, *flag)
+        try:
+            asks = {"left": "my parcel never came, order 4471", "right": "refund the blue lamp"}
+            for _ in range(2):
+                for customer, ask in asks.items():
+                    _talk(serve, customer, 1, ask)
+        finally:
+            assert serve.stop() == 0
+        with serve.store() as store:
+            turns = {cid: store.turns(cid) for cid in ("left", "right")}
+    finally:
+        server.stop()
+    slots = {t.slot for ts in turns.values() for t in ts}
+    assert slots == ({0} if summary_slot else {0, 1})
+    for cid, (first, second) in turns.items():
+        kept = second.reused_tokens >= first.prompt_tokens
+        assert kept is not summary_slot, (cid, first.prompt_tokens, second.reused_tokens)
+
+
 def test_serve_swaps_a_slot_given_away_to_the_servers_slot_save_path(
     llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
 ) -> None:
-    # One conversation slot (and the summary slot): two customers take turns on it. With
-    # --slot-save-path each one's slot is saved when the other takes it and restored when it
-    # comes back; the store's turn records and the server's own files are the oracle.
-    # --swap-disk-mb 1 holds one file (about 2 MB each): the one a returning customer is
-    # about to restore must not be the one deleted to make room.
-    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=2)
+    # One slot: two customers take turns on it. With --slot-save-path each one's slot is
+    # saved when the other takes it and restored when it comes back; the store's turn records
+    # and the server's own files are the oracle. --swap-disk-mb 1 holds one file (about 2 MB
+    # each): the one a returning customer is about to restore must not be the one deleted to
+    # make room.
+    server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=1)
     assert server.slot_save_path is not None
     try:
         serve = ServerProcess(
