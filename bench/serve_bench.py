@@ -10,7 +10,17 @@ streamed, ``--max-tokens`` per reply):
 4. ``llama_server`` (with ``--llama-server BIN``): the same turns against llama-server's own
    ``/v1/chat/completions`` (``-np`` slots, ``-c`` slots x n_ctx, ``cache_prompt`` as it
    ships), each client resending its whole history; evaluated tokens are the server's
-   ``timings.prompt_n``.
+   ``timings.prompt_n``. A turn the server refuses (400: over its context) is counted as an
+   error and the client goes on;
+5. ``llama_server_trim``: the same, but a client refused with 400 drops its oldest turn and
+   retries, as a client that trims does;
+6. ``serve_backend``: ``chatctx serve --backend`` in front of such a llama-server, stateful.
+   Its evaluated tokens, like the two direct runs', are the server's own counter
+   (``/metrics`` prompt_tokens_total over the run).
+
+``--chat long`` sends support messages of 50-120 tokens (the chats outgrow the slots),
+``--chat short`` (the default) one-line questions. Each run reports TTFT p50/p95 by turn
+index and the longest wait of a first turn (``turn0_max_ms``).
 
 Reported: throughput (turns/s), TTFT p50/p95 and their ratios serve / in-process (the HTTP
 overhead), and prompt tokens evaluated per turn, stateless / stateful and llama-server /
@@ -48,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _sse import SSEClient
+from _sse import HTTPStatusError, SSEClient
 
 from chatctx.backends.engine import Engine
 from chatctx.monitor import percentile
@@ -59,8 +69,23 @@ from chatctx.store import Store
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def question(client: int, turn: int) -> str:
-    return f"Customer {client} asks, for the {turn}th time: where is my parcel 10{client}?"
+def question(client: int, turn: int, chat: str = "short") -> str:
+    if chat == "short":
+        return f"Customer {client} asks, for the {turn}th time: where is my parcel 10{client}?"
+    # 50-120 tokens, different for every client and turn (no two prompts share more than
+    # the chat template's opening).
+    parts = [
+        f"Hello again, this is customer {client} writing for the {turn}th time today.",
+        f"My order number is 10{client}{turn:02d} and it was placed on the {turn + 3}rd.",
+        "The tracking page has not changed for several days and says the parcel is held.",
+        f"I was told on the phone that a courier would come between {turn % 12 + 1} and "
+        f"{turn % 12 + 3} o'clock, but nobody came and nobody called.",
+        "Could you check with the warehouse and tell me what is going on, and whether I "
+        "should ask for a refund instead of waiting any longer?",
+        f"I also need the invoice sent to a different address, flat {client + turn}, "
+        "because the old one is no longer mine.",
+    ]
+    return " ".join(parts[: 3 + (client + turn) % 4])
 
 
 def figures(
@@ -69,6 +94,8 @@ def figures(
     elapsed: float,
     turns: int,
     records: list[dict[str, Any]] | None = None,
+    by_turn: dict[int, list[float]] | None = None,
+    errors: int = 0,
 ) -> dict[str, Any]:
     """The run's figures; ``records`` (each turn's record: ``ttft_ms``, ``swap_in``, in the
     order of ``ttfts``) split TTFT into the session's own (from its turn's start, slot wait
@@ -77,11 +104,18 @@ def figures(
     out = {
         "turns": turns,
         "elapsed_s": round(elapsed, 2),
-        "turns_per_s": round(turns / elapsed, 3),
+        "turns_per_s": round((turns - errors) / elapsed, 3),  # answered turns
         "ttft_p50_ms": round(percentile(ttfts, 50) or 0, 1),
         "ttft_p95_ms": round(percentile(ttfts, 95) or 0, 1),
         "evaluated_per_turn": round(sum(evaluated) / len(evaluated), 1) if evaluated else None,
+        "errors": errors,
     }
+    if by_turn:
+        out["ttft_by_turn_ms"] = {
+            turn: [round(percentile(v, 50) or 0), round(percentile(v, 95) or 0)]
+            for turn, v in sorted(by_turn.items())
+        }
+        out["turn0_max_ms"] = round(max(by_turn.get(0, [0.0])), 1)
     pairs = [
         (ttft, float(r["ttft_ms"]))
         for ttft, r in zip(ttfts, records or (), strict=False)
@@ -106,10 +140,17 @@ Client = SSEClient | httpx.AsyncClient
 
 async def _event_lines(client: Client, body: dict[str, Any]) -> AsyncIterator[str]:
     if isinstance(client, SSEClient):
-        async for raw in client.lines("/v1/chat/completions", body):
-            yield raw.decode()
+        try:
+            async for raw in client.lines("/v1/chat/completions", body):
+                yield raw.decode()
+        except HTTPStatusError as exc:
+            if str(exc).startswith("400:"):
+                raise Refused(str(exc)) from exc
+            raise
         return
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code == 400:
+            raise Refused((await r.aread())[:300])
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -138,12 +179,26 @@ async def sse_turn(client: Client, body: dict[str, Any]) -> tuple[float, str, di
     return first, "".join(parts), extension
 
 
+class Refused(Exception):
+    """The server answered 400 (the history is over its context)."""
+
+
 async def http_load(
-    url: str, args: argparse.Namespace, *, stateful: bool, keepalive: bool = True
+    url: str,
+    args: argparse.Namespace,
+    *,
+    stateful: bool,
+    keepalive: bool = True,
+    trim: bool = False,
 ) -> dict[str, Any]:
+    """``args.clients`` customers x ``args.turns`` streamed turns. Stateless, a refused turn
+    (400) is an error the customer goes on after, or with ``trim`` is retried without the
+    customer's oldest turn until it fits."""
     ttfts: list[float] = []
     evaluated: list[int] = []
     records: list[dict[str, Any]] = []
+    by_turn: dict[int, list[float]] = {}
+    errors = 0
     # llama-server closes a kept-alive connection after a few idle seconds, which a loaded
     # machine reaches between two turns: its clients open a connection per turn.
     limits = httpx.Limits(
@@ -151,19 +206,35 @@ async def http_load(
     )
 
     async def customer(client: Client, n: int) -> None:
+        nonlocal errors
         history: list[dict[str, str]] = []
         for turn in range(args.turns):
-            new = {"role": "user", "content": question(n, turn)}
+            new = {"role": "user", "content": question(n, turn, args.chat)}
             body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn}
-            if stateful:
-                body |= {"messages": [new], "conversation": f"bench-{n}"}
-            else:
-                body |= {"messages": [*history, new]}
-            ttft, reply, extension = await sse_turn(client, body)
-            history += [new, {"role": "assistant", "content": reply}]
-            ttfts.append(ttft)
-            evaluated.append(int(extension["evaluated_tokens"]))
-            records.append(extension)
+            started = time.perf_counter()
+            while True:
+                if stateful:
+                    body |= {"messages": [new], "conversation": f"bench-{n}"}
+                else:
+                    body |= {"messages": [*history, new]}
+                attempt = time.perf_counter()
+                try:
+                    ttft, reply, extension = await sse_turn(client, body)
+                except Refused:
+                    if trim and history:
+                        history = history[2:]  # the oldest turn goes; the client asks again
+                        continue
+                    errors += 1
+                    break
+                # From the customer's first try: a client that trims waits for its retries.
+                ttft += (attempt - started) * 1000
+                history += [new, {"role": "assistant", "content": reply}]
+                ttfts.append(ttft)
+                by_turn.setdefault(turn, []).append(ttft)
+                if "evaluated_tokens" in extension:
+                    evaluated.append(int(extension["evaluated_tokens"]))
+                records.append(extension)
+                break
 
     # Clients are made before the clock starts. httpx: one for every customer (one per
     # customer built its own TLS context, about 50 ms of CPU each, while the first turns
@@ -180,7 +251,7 @@ async def http_load(
         started = time.perf_counter()
         await asyncio.gather(*(customer(clients[n], n) for n in range(args.clients)))
         elapsed = time.perf_counter() - started
-    return figures(ttfts, evaluated, elapsed, args.clients * args.turns, records)
+    return figures(ttfts, evaluated, elapsed, args.clients * args.turns, records, by_turn, errors)
 
 
 def free_port() -> int:
@@ -190,14 +261,23 @@ def free_port() -> int:
         return port
 
 
+def prompt_tokens(url: str) -> int:
+    """llama-server's ``prompt_tokens_total``: tokens it evaluated since it started."""
+    from _llama_server import prompt_tokens_total
+
+    return prompt_tokens_total([url])
+
+
 @contextlib.contextmanager
-def server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
+def server(model: Path, args: argparse.Namespace, folder: Path, backend: str | None = None) -> Any:
+    """``chatctx serve`` on ``model`` in this process's place, or in front of the llama-server
+    at ``backend`` (``model`` is then read for its tokenizer)."""
     port = free_port()
     command = [
         sys.executable, "-m", "chatctx", "serve", "--port", str(port), "--model", str(model),
         "--db", f"sqlite:///{folder / 'serve.db'}", "--n-ctx", str(args.n_ctx),
         "--slots", str(args.slots), "--max-concurrent-turns", str(args.clients),
-        "--no-access-log",
+        "--no-access-log", *(["--backend", backend] if backend else []),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CHATCTX_HOME": str(folder / "home")}
     with (folder / "serve.log").open("wb") as log:
@@ -371,6 +451,17 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
             out[f"evaluated_per_turn_{other}_vs_stateful"] = round(
                 results[other]["evaluated_per_turn"] / serve["evaluated_per_turn"], 2
             )
+    through = results.get("serve_backend")
+    for other in ("llama_server", "llama_server_trim"):
+        direct = results.get(other)
+        if through and direct:
+            tag = f"serve_backend_vs_{other}"
+            out[f"throughput_{tag}"] = round(through["turns_per_s"] / direct["turns_per_s"], 3)
+            for q in ("p50", "p95"):
+                out[f"ttft_{q}_{tag}"] = round(through[f"ttft_{q}_ms"] / direct[f"ttft_{q}_ms"], 3)
+            out[f"server_evaluated_{tag}"] = round(
+                through["server_evaluated_per_turn"] / direct["server_evaluated_per_turn"], 3
+            )
     if serve and results.get("llama_server"):
         server = results["llama_server"]
         out["ttft_p50_serve_vs_llama_server"] = round(
@@ -396,14 +487,27 @@ def one_round(
             results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
         results[name] |= machine | {"load_average": load_average()}
         print(name, results[name], flush=True)
-    if args.llama_server is not None and "llama_server" in runs:
+    for name in ("llama_server", "llama_server_trim", "serve_backend"):
+        if args.llama_server is None or name not in runs:
+            continue
+        (folder / name).mkdir()
         machine = {}
-        with llama_server(model, args, folder) as url, others_cores(machine):
-            results["llama_server"] = asyncio.run(
-                http_load(url, args, stateful=False, keepalive=False)
-            )
-        results["llama_server"] |= machine | {"load_average": load_average()}
-        print("llama_server", results["llama_server"], flush=True)
+        with llama_server(model, args, folder / name) as direct, others_cores(machine):
+            before = prompt_tokens(direct)
+            if name == "serve_backend":
+                with server(model, args, folder / name, backend=direct) as url:
+                    results[name] = asyncio.run(http_load(url, args, stateful=True))
+            else:
+                results[name] = asyncio.run(
+                    http_load(
+                        direct, args, stateful=False, keepalive=False, trim=name.endswith("trim")
+                    )
+                )
+            evaluated = prompt_tokens(direct) - before  # the server's own counter
+        turns = results[name]["turns"] - results[name]["errors"]
+        results[name]["server_evaluated_per_turn"] = round(evaluated / max(turns, 1), 1)
+        results[name] |= machine | {"load_average": load_average()}
+        print(name, results[name], flush=True)
     if "in_process" in runs:
         os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
         machine = {}
@@ -429,9 +533,17 @@ def main() -> None:
         "--llama-server", type=Path, default=None, help="llama-server binary: add its run"
     )
     parser.add_argument(
-        "--runs", default="serve,stateless,in_process,llama_server", help="which runs"
+        "--runs",
+        default="serve,stateless,in_process,llama_server",
+        help="which runs (also llama_server_trim, serve_backend)",
     )
     parser.add_argument("--threads", type=int, default=None, help="llama-server -t")
+    parser.add_argument(
+        "--chat",
+        choices=("short", "long"),
+        default="short",
+        help="one-line questions, or support messages of 50-120 tokens",
+    )
     parser.add_argument(
         "--client",
         choices=("lean", "httpx"),
