@@ -227,7 +227,8 @@ def _show_turns(conversation_id: str, turns: list[Turn], as_json: bool) -> None:
         f"{_fmt(summary.prefill_amplification, '.2f')} · cache hit ratio "
         f"{_fmt(summary.cache_hit_ratio, '.2f')} · evictions {summary.evictions} · shifted "
         f"{summary.shifted_tokens} tokens in {summary.shift_count} shifts · TTFT p50 "
-        f"{_fmt(summary.ttft_p50_ms)} ms, p95 {_fmt(summary.ttft_p95_ms)} ms  (* = evicted)"
+        f"{_fmt(summary.ttft_p50_ms)} ms, p95 {_fmt(summary.ttft_p95_ms)} ms · queue wait p50 "
+        f"{_fmt(summary.queue_p50_ms)} ms, p95 {_fmt(summary.queue_p95_ms)} ms  (* = evicted)"
     )
     if show_rss or show_gpu:
         line = f"memory: peak RSS {_mib(memory['peak_rss_bytes'])} MiB"

@@ -38,6 +38,8 @@ class Totals:
     ttft_p50_ms: float | None
     ttft_p95_ms: float | None
     decode_tokens_per_s: float | None
+    queue_p50_ms: float | None = None  # waiting in line for a slot (turns that recorded it)
+    queue_p95_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,6 +53,7 @@ def totals(turns: Sequence[Turn]) -> Totals:
     evaluated = sum(t.evaluated_tokens for t in turns)
     ttfts = [t.ttft_ms for t in turns if t.ttft_ms is not None]
     rates = [t.decode_tokens_per_s for t in turns if t.decode_tokens_per_s]
+    queued = [t.queue_ms for t in turns if t.queue_ms is not None]
     return Totals(
         turns=len(turns),
         prompt_tokens=prompt,
@@ -68,6 +71,8 @@ def totals(turns: Sequence[Turn]) -> Totals:
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p95_ms=percentile(ttfts, 95),
         decode_tokens_per_s=sum(rates) / len(rates) if rates else None,
+        queue_p50_ms=percentile(queued, 50),
+        queue_p95_ms=percentile(queued, 95),
     )
 
 

@@ -190,6 +190,7 @@ class _Turn:
     stored_id: str
     log: dict[str, Any]
     cleanup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    arrived: float = 0.0  # perf_counter() when the request began to be served
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
     _closed: bool = False
@@ -243,6 +244,15 @@ class _Turn:
             "swap_in": turn.swap_in if turn is not None else None,
         }
 
+    def queue_ms(self) -> float | None:
+        """Waiting in line: for this server's locks and claims, then for the session's
+        conversation turn and slot (the turn record's ``queue_ms``)."""
+        reply = self.run.reply
+        turn = reply.turn if reply is not None else None
+        if turn is None or turn.queue_ms is None or self.run.handed_at is None:
+            return None
+        return max(0.0, self.run.handed_at - self.arrived) * 1000 + turn.queue_ms
+
     def _account(self) -> None:
         reply = self.run.reply
         turn = reply.turn if reply is not None else None
@@ -279,6 +289,7 @@ class _Turn:
                 if turn.prompt_tokens
                 else None,
                 "ttft_ms": turn.ttft_ms,
+                "queue_ms": self.queue_ms(),
                 "slot": turn.slot,
                 "swap_in": turn.swap_in,
                 "finish_reason": finish,
@@ -298,6 +309,7 @@ async def _open_turn(
 ) -> _Turn:
     """Check limits, take locks and start the reply (its worker thread first stores what the
     request adds: errors there reach the first ``next_delta``, before any output)."""
+    arrived = time.perf_counter()
     store, backend = service.require_ready()
     limits = service.config.limits
     if len(request.messages) > limits.max_messages:
@@ -391,6 +403,7 @@ async def _open_turn(
         stored_id=stored_id,
         log=log,
         cleanup=cleanup,
+        arrived=arrived,
     )
 
 

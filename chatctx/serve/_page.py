@@ -89,6 +89,7 @@ def cache_view(service: Service, tenant: Tenant) -> dict[str, Any]:
     ][-RECENT_TURNS:]
     prompt = sum(r["prompt_tokens"] for r in recent)
     ttfts = [r["ttft_ms"] for r in recent if r["ttft_ms"] is not None]
+    queued = [r["queue_ms"] for r in recent if r.get("queue_ms") is not None]
     return {
         "model": service.model_id if service.loaded else None,
         "ready": service.loaded,
@@ -105,6 +106,8 @@ def cache_view(service: Service, tenant: Tenant) -> dict[str, Any]:
             "hit_ratio": sum(r["cached_tokens"] for r in recent) / prompt if prompt else None,
             "ttft_p50_ms": percentile(ttfts, 50),
             "ttft_p95_ms": percentile(ttfts, 95),
+            "queue_p50_ms": percentile(queued, 50),
+            "queue_p95_ms": percentile(queued, 95),
         },
     }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from chatctx.session import ChatSession, Reply
@@ -82,9 +83,16 @@ class TurnRun:
         self.cancel = cancel  # set when the server drains
         self._before = session.last_reply
         self._before_user = session.last_user
+        self.handed_at: float | None = None  # perf_counter() when the session took the turn
+
+        def handed() -> None:
+            self.handed_at = time.perf_counter()
+            if before is not None:
+                before()
+
         # ``before`` (storing what the request adds) runs in the turn's own worker thread;
         # the request's sampling is stored with its user message
-        self._stream: AsyncIterator[str] = session.astream(text, before=before, settings=settings)
+        self._stream: AsyncIterator[str] = session.astream(text, before=handed, settings=settings)
         self.raw = ""  # what the model wrote (for a stop: up to it)
         self.sent = 0  # characters of ``raw`` handed out
         self.cut: str | None = None  # "stop" | "timeout" | "drain" | "gone"

@@ -118,6 +118,8 @@ def turn_figures(
         "gpu_used_bytes": memory.gpu_used_bytes if memory else None,
         "gpu_free_bytes": memory.gpu_free_bytes if memory else None,
         "slot": lease.seq_id,
+        # Waiting for the conversation's turn and a slot; restoring a swapped cache is work.
+        "queue_ms": max(0.0, timings.slot_ms - (lease.swap_in_ms or 0.0)),
         "swap_in": lease.swap_in,
         "swap_in_ms": lease.swap_in_ms,
         "swap_in_bytes": lease.swap_in_bytes,

@@ -193,6 +193,7 @@ class TurnRow(Base):
     gpu_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
     # the slot pool: where the turn ran, how its KV state came back, how wide decoding was
     slot: Mapped[int | None] = mapped_column(Integer)
+    queue_ms: Mapped[float | None] = mapped_column(Float)
     swap_in: Mapped[str | None] = mapped_column(String(10))
     swap_in_ms: Mapped[float | None] = mapped_column(Float)
     swap_in_bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -91,6 +91,7 @@ class Turn:
     gpu_used_bytes: int | None = None
     gpu_free_bytes: int | None = None
     slot: int | None = None  # the pool slot the turn ran in
+    queue_ms: float | None = None  # waiting in line for a slot (a swap-in's restore excluded)
     swap_in: str | None = None  # "ram" | "disk": the KV state was restored from a swap
     swap_in_ms: float | None = None
     swap_in_bytes: int | None = None

@@ -433,3 +433,44 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(
     stored = app.store.messages(body["conversation"])
     assert stored[-1].role == "assistant" and stored[-1].status == "partial"
     assert stored[-1].content == text
+
+
+def test_a_turn_that_waited_for_a_slot_shows_its_wait_on_the_cache_page(start_app: Any) -> None:
+    # The test's own clock is the oracle: the request was in the pool's line at `seen` and
+    # could not start before the slots were given back at `given_back`.
+    app = start_app()
+    held = []
+    while True:
+        try:
+            held.append(app.engine.lease(f"holder{len(held)}", timeout=0.2))
+        except DeadlineExceeded:
+            break
+    body = {
+        "conversation": "queued",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    answers: list[httpx.Response] = []
+    asking = threading.Thread(target=lambda: answers.append(app.post(body)), daemon=True)
+    try:
+        asking.start()
+        deadline = time.monotonic() + 10
+        # (the last holder's try that timed out keeps an away place in line too)
+        while not [w for w in app.engine.pool._line if not w.owner.startswith("holder")]:
+            assert time.monotonic() < deadline, "the request never got in line"
+            time.sleep(0.005)
+        seen = time.perf_counter()
+        time.sleep(0.3)
+        given_back = time.perf_counter()
+    finally:
+        for lease in held:
+            app.engine.release(lease)
+    asking.join(30)
+    assert answers and answers[0].status_code == 200, answers
+    least = (given_back - seen) * 1000
+    (turn,) = app.store.turns("queued")
+    assert turn.queue_ms is not None and turn.queue_ms >= least
+    page = httpx.get(f"{app.url}/v1/cache", timeout=10).json()
+    (recent,) = [t for t in page["recent_turns"] if t["conversation"] == "queued"]
+    assert recent["queue_ms"] >= turn.queue_ms  # the server's own wait comes on top
+    assert page["summary"]["queue_p50_ms"] >= least

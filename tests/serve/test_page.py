@@ -167,6 +167,9 @@ def test_cache_page_in_chromium(tiny_llama3_path: Path, start_server: Any, tmp_p
                     assert cells == last.prompt_tokens + last.generated_tokens - 1
             assert browser.evaluate("document.getElementById('turns').dataset.count") == "3"
             assert browser.evaluate("+document.getElementById('hitchart').dataset.points") == 3
+            assert browser.evaluate("+document.getElementById('queuechart').dataset.points") == 3
+            queue = browser.evaluate("document.getElementById('queue').textContent")
+            assert queue.startswith("p50 ") and " · p95 " in queue, queue
             browser.screenshot(tmp_path / "cache-page-before.png")
 
             reply = turn(server, "bob", "and a second question from bob")
