@@ -5,10 +5,12 @@ next-token logits of one 300-token prompt evaluated in different ways, against o
 and of a streaming token decoded alone or beside other sequences' tokens, for the split and
 the unified KV cache.
 
-Part 2 serves 12 customers x 6 turns on 4 slots (greedy) one customer at a time and all at
-once from 12 threads, and counts the replies that differ, per budget and KV layout.
+Part 2 serves 12 customers x 6 turns on 4 slots (greedy), each customer alone on a fresh
+engine and all at once from 12 threads, and counts the replies that differ, per budget and
+KV layout.
 
     .venv/bin/python bench/load_independence.py [--part 1|2] [--budgets 160,256,512]
+        [--layouts split,unified]
 """
 
 from __future__ import annotations
@@ -90,36 +92,73 @@ def part1() -> None:
         )
         print(f"  a streaming token beside another sequence's token: "
               f"{np.max(np.abs(stream_beside - stream_alone)):.3f}")  # fmt: skip
+        others = [(seq, other[100 * seq : 100 * seq + 50], 0, False) for seq in (1, 2, 3)]
+        beside_three = run(
+            [
+                *cut([256, 44]),
+                others,
+                [(seq, [other[seq]], 50, True) for seq in (1, 2, 3)]
+                + [(0, [prompt[5]], 300, True)],
+            ]
+        )
+        print(f"  a streaming token beside three other sequences' tokens: "
+              f"{np.max(np.abs(beside_three - stream_alone)):.3f}")  # fmt: skip
 
 
-def part2(budgets: list[int]) -> None:
+def part2(budgets: list[int], layouts: list[str]) -> None:
     customers = support_customers(12, 6)
     settings = {"max_tokens": 24, "temperature": 0.0}
-    print("\nreplies that differ, 12 customers x 6 turns on 4 slots, served alone vs together")
-    for unified in (False, True):
+    print(
+        "\nreplies that differ, 12 customers x 6 turns on 4 slots: each customer alone on a "
+        "fresh engine vs all at once from 12 threads"
+    )
+
+    def engine(unified: bool) -> Engine:
+        return Engine.load(default_model_path(), n_ctx=1024, slots=4, kv_unified=unified)
+
+    for layout in layouts:
+        unified = layout == "unified"
         for budget in budgets:
             context = {"budget": budget}
-            with Engine.load(default_model_path(), n_ctx=1024, slots=4, kv_unified=unified) as e:
-                alone = serve_customers(
-                    e, customers, together=False, settings=settings, context=context
-                )
+            alone: dict[tuple[str, int], str] = {}
+            for cid, messages in customers.items():
+                with engine(unified) as e:
+                    alone |= serve_customers(
+                        e, {cid: messages}, together=False, settings=settings, context=context
+                    )
+            with engine(unified) as e:
                 together = serve_customers(
                     e, customers, together=True, settings=settings, context=context
                 )
             differ = sum(alone[k] != together[k] for k in alone)
-            layout = "unified" if unified else "split"
             print(f"  {layout:>7} KV, budget {budget}: {differ} of {len(alone)}", flush=True)
+
+
+def cpu() -> str:
+    """This CPU's model name and the vector extensions llama.cpp's CPU kernels choose by."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown CPU")  # fmt: skip
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])  # fmt: skip
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8")
+    return f"{name} ({' '.join(f for f in wanted if f in flags) or 'no AVX2'})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["1", "2", "both"], default="both")
     parser.add_argument("--budgets", default="160,256,512")
+    parser.add_argument("--layouts", default="split,unified", help="KV layouts for part 2")
     args = parser.parse_args()
+    print(f"CPU: {cpu()}")
     if args.part in ("1", "both"):
         part1()
     if args.part in ("2", "both"):
-        part2([int(b) for b in args.budgets.split(",")])
+        part2([int(b) for b in args.budgets.split(",")], args.layouts.split(","))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 from chatctx import ConfigError, DeadlineExceeded, Engine, GenerationError, GenerationSettings
 from chatctx.backends.base import Lease
 from chatctx.backends.engine._scheduler import PREFILL_CHUNK
-from chatctx.backends.pool import SlotPool
+from chatctx.backends.pool import AWAY_GRACE_S, SlotPool
 from chatctx.backends.swap import SwapHit
 from tests.llama_counters import counted, prime_counters
 
@@ -248,8 +248,10 @@ def test_no_one_takes_the_slot_a_waiting_conversation_is_owed(barger: str) -> No
         pool.lease(barger, timeout=0.3)
     waiter.join(10)
     assert [lease.owner for lease in got] == ["b"]
-    # With no one in line, the owner of an idle slot takes it at once (no swap).
+    # With no one in line, the owner of an idle slot takes it at once (no swap). (The barger
+    # that gave up holds its place for AWAY_GRACE_S, in case it was only between two polls.)
     pool.release(got[0])
+    time.sleep(AWAY_GRACE_S)
     assert pool.lease("b", timeout=0).seq_id == 0
 
 
@@ -303,6 +305,38 @@ def test_a_polling_waiter_keeps_its_place_in_line() -> None:
     late.join(10)
     stop.set()
     assert served == ["early", "late"]
+
+
+def test_a_slot_freed_while_a_polling_waiter_is_between_two_calls_waits_for_it() -> None:
+    # The arrival order is the oracle: "early" was in line before "late". Its poll times out
+    # and the slot is freed before it asks again: the slot is still its own, not "late"'s.
+    pool = _pool(1)
+    first = pool.lease("a")
+    with pytest.raises(DeadlineExceeded):
+        pool.lease("early", timeout=0.05)  # in line, now between two calls
+    served: list[str] = []
+    late = threading.Thread(target=lambda: served.append(pool.lease("late", timeout=10).owner))
+    late.start()
+    _wait_for_line(pool, 2)
+    pool.release(first)
+    time.sleep(0.03)  # "late" is awake by now (within the grace), and must not take it
+    assert served == []
+    lease = pool.lease("early", timeout=1)
+    assert lease.owner == "early"
+    pool.release(lease)
+    late.join(10)
+    assert served == ["late"]
+
+
+def test_a_waiter_that_does_not_come_back_holds_no_one_up_after_the_grace() -> None:
+    pool = _pool(1)
+    first = pool.lease("a")
+    with pytest.raises(DeadlineExceeded):
+        pool.lease("gone", timeout=0.05)
+    pool.release(first)
+    started = time.monotonic()
+    assert pool.lease("next", timeout=5).owner == "next"
+    assert time.monotonic() - started < 5  # served once the grace ran out, not at the timeout
 
 
 def test_the_owner_of_an_idle_pinned_slot_never_waits_in_line() -> None:
