@@ -140,3 +140,39 @@ def test_recall_uses_the_injected_embedder(tiny_llama3_path: Path) -> None:
     assert any("locker number" in t for t in embedder.prefetched)
     assert "what was my locker number?" in embedder.embedded
     assert dict(_embedder._SHARED) == shared_before  # the local model was never loaded
+
+
+def test_messages_are_embedded_only_once_recall_is_within_reach(tiny_llama3_path: Path) -> None:
+    # Recall searches only after an eviction. A chat whose prompt stays short embeds nothing;
+    # one that grows has every message handed to the embedder before its first eviction.
+    # Oracles: the embedder's own list of what it was asked, the store's messages, and the
+    # budget's low level (0.6 x 400 tokens) against the prompt sizes the turns recorded.
+    embedder = CountingEmbedder()
+    codec = open_codec(tiny_llama3_path)
+    with (
+        Store("sqlite://") as store,
+        DryBackend(codec, n_ctx=1024, model_path=tiny_llama3_path) as backend,
+        ChatSession.open(
+            store,
+            conversation_id="c",
+            model=backend,
+            embedder=embedder,
+            context={"budget": 400, "recall_search": "meaning"},
+        ) as chat,
+    ):
+        low = 0.6 * 400
+        chat.record_turn("hello there", "hi, how can I help?")
+        chat.record_turn("my parcel is late", "sorry to hear that")
+        assert chat.last_build is not None and chat.last_build.plan.prompt_tokens < low
+        assert embedder.prefetched == [] and embedder.embedded == []
+        n = 0
+        while store.context_state("c").window_start == 0:
+            before = [m.content for m in store.messages("c")]
+            chat.record_turn(f"order {n} has the tracking code ZX{n}4417 and it is late", "ok")
+            n += 1
+            assert n < 40
+        # The turn that evicted first: everything stored before it was asked for already.
+        assert set(before) <= set(embedder.prefetched)
+        prompts = [t.prompt_tokens for t in store.turns("c")]
+        first = next(i for i, p in enumerate(prompts) if p >= low)
+        assert first >= 2  # the two short turns stayed below the level

@@ -99,6 +99,7 @@ class MeaningSearch:
         self._fingerprint = fingerprint or ""
         # message id -> (text digest, its parts' vectors): read from the store or embedded.
         self._known: dict[int, tuple[str, Vectors]] = {}
+        self._caught_up = False  # every stored message was handed to ``warm`` once
         self.min_similarity = min_similarity
         self.question_discount = question_discount
         self.reply_discount = reply_discount
@@ -113,6 +114,15 @@ class MeaningSearch:
         """``warm`` for the messages whose vectors are not stored (all without a store)."""
         self._load(messages)
         self.warm([m.content for m in messages if not self._has(m)])
+
+    def warm_turn(self, texts: Sequence[str]) -> None:
+        """``warm`` for a turn's new messages, once recall is within reach (the caller
+        decides when): the first time, with every stored message not embedded yet."""
+        if self._caught_up:
+            self.warm(texts)
+            return
+        self._caught_up = True
+        self.warm_messages(self._messages())
 
     def _has(self, message: Message) -> bool:
         known = self._known.get(message.id)

@@ -156,9 +156,8 @@ class ConversationContext:
                 vectors=store,
                 fingerprint=embedder.fingerprint,
             )
-            # A resumed conversation: what is not stored yet is embedded while the customer
-            # types.
-            self.meaning.warm_messages(store.messages(cid))
+            # Messages are embedded once recall is within reach (``store_turn``); a resumed
+            # conversation's are mostly stored with their vectors already.
             return self.meaning
         return lambda query, before, limit: store.search_messages(
             cid, query, before_position=before, limit=limit, replies=True

@@ -184,8 +184,8 @@ def store_turn(
 ) -> Reply:
     """Store the reply and the turn's figures in one transaction. ``clock``: perf_counter()
     stamps of the request, of the slot being leased, of the context being built and of the
-    user message being stored. ``meaning`` (recall by meaning) embeds the two messages now,
-    to be searched once they are evicted.
+    user message being stored. ``meaning`` (recall by meaning) embeds the two messages
+    ahead of the searches that follow evictions.
 
     A failure logs the reply's text (nothing the client saw is lost without a trace) and
     raises ``StoreError`` (``ClosedError`` for a closed store) chained to the cause.
@@ -227,8 +227,11 @@ def store_turn(
         if isinstance(exc, ChatctxError):
             raise
         raise StoreError(f"reply of {conversation_id} not stored: {exc}") from exc
-    if meaning is not None:  # embedded now, searched once evicted
-        meaning.warm([user.content, *([assistant.content] if assistant else [])])
+    # Recall searches only once something was evicted: the messages are embedded (in the
+    # background) from the turn the prompt reaches the level an eviction trims down to, a
+    # few turns ahead of the first search. A chat that never gets there embeds nothing.
+    if meaning is not None and (plan.window_start > 0 or plan.prompt_tokens >= plan.low_limit):
+        meaning.warm_turn([user.content, *([assistant.content] if assistant else [])])
     reply = Reply(
         text=result.text,
         user_message_id=user.id,

@@ -122,7 +122,7 @@ def test_a_dry_replay_stores_what_a_chat_session_on_the_dry_backend_stores(
     # One set of totals: replay's summary holds `chatctx stats`'s for the same turns.
     summary = report.summary()
     for key, value in totals(stored).as_dict().items():
-        if key != "summary_ms":  # a wall-clock time
+        if key not in ("summary_ms", "queue_p50_ms", "queue_p95_ms"):  # wall-clock times
             assert summary[key] == value, key
 
 
