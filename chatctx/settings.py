@@ -217,7 +217,9 @@ class EngineConfig(_Model):
         "reordering (derived from `slots`; 1 means no reserved sequence).",
     )
     kv_unified: bool = Field(
-        True, description="All sequences share one KV buffer (else one stream each)."
+        True,
+        description="All sequences share one KV buffer (else one stream each: a reply then "
+        "never depends on the other conversations served beside it, bit for bit).",
     )
     summary_room: int | None = Field(
         None,

@@ -100,7 +100,7 @@ def is_tty() -> bool:
 
 # Options that only shape the llama.cpp context: collected here and merged by
 # ``build_engine_options``, so commands need no parameter for each.
-_CACHE_OPTIONS = ("type_k", "type_v", "flash_attn", "rope_scaling", "rope_freq_scale")
+_CACHE_OPTIONS = ("type_k", "type_v", "flash_attn", "rope_scaling", "rope_freq_scale", "kv_unified")
 
 
 def engine_options(func: F) -> F:
@@ -116,6 +116,7 @@ def engine_options(func: F) -> F:
 
     command: Any = wrapper
     for decorator in (
+        field_option(EngineConfig, "kv_unified"),
         field_option(EngineConfig, "rope_freq_scale"),
         field_option(EngineConfig, "rope_scaling"),
         field_option(EngineConfig, "flash_attn", type=FLASH_CHOICE),

@@ -191,3 +191,17 @@ def test_flat_context_fields_fold_into_the_replay_context() -> None:
     assert ReplayConfig(context={"layout": "append"}).context.budget == 1024  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match=r"low watermark 0\.9 is above high"):
         ReplayConfig(low=0.9, high=0.5)  # type: ignore[call-arg]
+
+
+def test_serve_no_kv_unified_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The setting that makes replies independent of load (bench/load_independence.py)."""
+    import chatctx.serve
+
+    seen: list[ServeConfig] = []
+    monkeypatch.setattr(chatctx.serve, "serve", seen.append)
+    for name in ("CHATCTX_API_KEYS", "CHATCTX_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    result = CliRunner().invoke(cli, ["serve", "--no-kv-unified"])
+    assert result.exit_code == 0, result.output
+    assert seen[0].engine_options["kv_unified"] is False
+    EngineConfig.model_validate({"model_path": "x.gguf", **seen[0].engine_options})
