@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import platform
 import statistics
 import sys
@@ -39,6 +38,7 @@ from chatctx.backends.engine import Engine
 from chatctx.backends.engine._native import supports_gpu_offload
 from chatctx.backends.engine._native_info import measure_allocations, system_info
 from chatctx.backends.engine._scheduler import PREFILL_CHUNK
+from chatctx.model.cpus import default_threads
 from chatctx.model.memory import KV_TYPE_IDS, ModelShape, parse_allocations, plan_memory
 from chatctx.replay import ReplayConfig, Replayer, parse_logged, replay_all, summarize
 from chatctx.settings import GenerationSettings
@@ -170,7 +170,9 @@ def raw_loop(
     cparams.kv_unified = True
     cparams.flash_attn_type = -1
     cparams.type_k = cparams.type_v = KV_TYPE_IDS["f16"]
-    n_threads = threads or os.cpu_count() or 1
+    # The engine's own default when not given (physical cores within the CPU quota): the two
+    # sides must run the same threads (os.cpu_count() counts hyperthreads too).
+    n_threads = threads or default_threads()
     cparams.n_threads = cparams.n_threads_batch = n_threads
     cparams.no_perf = True
     ctx = ll.llama_init_from_model(mptr, cparams)

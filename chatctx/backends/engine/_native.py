@@ -92,6 +92,10 @@ class NativeModel:
         self.ptr: Any = ptr
         self._vocab: Any = ll.llama_model_get_vocab(ptr)
         self.path = path
+        # Per generated token: its bytes and whether it ends the reply, asked of llama.cpp
+        # once per token id (two ctypes calls and a buffer less per token after that).
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
 
     def close(self) -> None:
         if self.ptr is not None:
@@ -169,7 +173,10 @@ class NativeModel:
         return bool(ll.llama_vocab_get_add_bos(self.vocab))
 
     def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(ll.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     def token_text(self, token: int) -> str:
         raw = ll.llama_vocab_get_text(self.vocab, token)
@@ -193,12 +200,17 @@ class NativeModel:
         return list(buf[:n])
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
+        if not special and (known := self._pieces.get(token)) is not None:
+            return known
         buf = ctypes.create_string_buffer(64)
         n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
+        piece = buf.raw[:n]
+        if not special:
+            self._pieces[token] = piece
+        return piece
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         return b"".join(self.piece(t, special=special) for t in tokens).decode(
