@@ -1,0 +1,266 @@
+"""Tool calls: OpenAI-shaped function tools checked, and a model's output parsed into calls.
+
+Each model family writes its calls its own way (the formats llama.cpp's ``common/chat.cpp``
+handles, read there; this is chatctx's own code):
+
+- ``llama3``: Llama 3.1/3.2/3.3 answer a call with a JSON object and nothing else,
+  ``{"name": ..., "parameters": {...}}`` (``"type": "function"`` may come first; some write
+  ``"arguments"``), after ``<|python_tag|>`` at times. Several objects, one after another or
+  separated by ``;``, are parallel calls.
+- ``hermes``: Hermes, Qwen 2.5 and other ChatML models wrap each call in ``<tool_call>`` …
+  ``</tool_call>``; the text around the blocks is the reply's content.
+- ``generic``: a template with no tool support (the embedded SmolLM2's) is told in its system
+  turn to answer in JSON: ``{"tool_call": {"name", "arguments"}}``, ``{"tool_calls": [...]}``
+  (parallel, each with an ``id``) or ``{"response": "..."}``.
+
+A call that does not parse, names a function the request did not offer, or whose arguments
+are not a JSON object is never raised: the output goes back as text, with a warning that the
+turn record keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from chatctx.errors import ConfigError
+
+__all__ = [
+    "FORMATS",
+    "ParsedReply",
+    "ToolCall",
+    "ToolFormat",
+    "check_tools",
+    "parse_tool_calls",
+    "tool_format",
+]
+
+ToolFormat = Literal["llama3", "hermes", "generic"]
+FORMATS: tuple[ToolFormat, ...] = ("llama3", "hermes", "generic")
+
+# What OpenAI accepts as a function name.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PYTHON_TAG = "<|python_tag|>"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call: its id (``call_…``, made here where the model gives none), the function's
+    name and its arguments as JSON text (as OpenAI sends them)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedReply:
+    """A reply as text and calls. ``warning`` says why output that looked like a call was
+    kept as text (then ``calls`` is empty and ``content`` is the whole output)."""
+
+    content: str
+    calls: tuple[ToolCall, ...] = ()
+    warning: str | None = None
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def check_tools(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The request's function tools by name, or ``ConfigError`` naming the bad field
+    (``tools[i].function.name`` …): OpenAI's shape, ``{"type": "function", "function":
+    {"name", "description"?, "parameters"?}}``, names unique."""
+    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
+        raise ConfigError("tools must be a list of function tools")
+    by_name: dict[str, Mapping[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise ConfigError(f"{where} must be an object")
+        if tool.get("type") != "function":
+            raise ConfigError(f"{where}.type must be 'function', not {tool.get('type')!r}")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise ConfigError(f"{where}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(
+                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', not {name!r}"
+            )
+        if name in by_name:
+            raise ConfigError(f"{where}.function.name {name!r} is offered twice")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ConfigError(f"{where}.function.description must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None and (
+            not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object"
+        ):
+            raise ConfigError(f"{where}.function.parameters must be a JSON schema of an object")
+        by_name[name] = function
+    return by_name
+
+
+def tool_format(template: str | None) -> ToolFormat:
+    """The call format a chat template was trained with, read from its source: Hermes-style
+    ``<tool_call>`` blocks, Llama 3.x JSON calls (its templates speak of ``ipython`` and
+    ``<|python_tag|>``), else the generic JSON answer."""
+    source = template or ""
+    if _HERMES_OPEN in source:
+        return "hermes"
+    if "<|start_header_id|>" in source and (
+        "ipython" in source or _PYTHON_TAG in source or "tools" in source
+    ):
+        return "llama3"
+    return "generic"
+
+
+def parse_tool_calls(
+    text: str,
+    fmt: ToolFormat,
+    tools: Mapping[str, Any],
+    *,
+    ids: Callable[[], str] = new_call_id,
+) -> ParsedReply:
+    """``text`` (the model's whole output) as content and calls in format ``fmt``; ``tools``
+    are the functions offered (by name, as ``check_tools`` returns them)."""
+    if fmt == "hermes":
+        return _hermes(text, tools, ids)
+    if fmt == "llama3":
+        return _llama3(text, tools, ids)
+    if fmt == "generic":
+        return _generic(text, tools, ids)
+    raise ConfigError(f"unknown tool call format {fmt!r}; one of {', '.join(FORMATS)}")
+
+
+def _call(
+    raw: Any, tools: Mapping[str, Any], ids: Callable[[], str], *, keys: Sequence[str]
+) -> ToolCall | str:
+    """One call object as a ``ToolCall``, or why it is not one."""
+    if not isinstance(raw, Mapping):
+        return "a call is not a JSON object"
+    name = raw.get("name")
+    if not isinstance(name, str):
+        return "a call has no function name"
+    if name not in tools:
+        return f"the model called {name!r}, which was not offered"
+    arguments: Any = {}
+    for key in keys:
+        if key in raw:
+            arguments = raw[key]
+            break
+    if isinstance(arguments, str):  # some models send the arguments already as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return f"the arguments of {name!r} are not JSON"
+    if not isinstance(arguments, Mapping):
+        return f"the arguments of {name!r} are not a JSON object"
+    given = raw.get("id")
+    call_id = given if isinstance(given, str) and given.strip() else ids()
+    return ToolCall(call_id, name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _as_text(text: str, why: str) -> ParsedReply:
+    return ParsedReply(content=text, warning=f"tool call not understood, kept as text: {why}")
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """Every JSON value in ``text``, one after another (whitespace or ``;`` between), or None
+    when anything else is there (a truncated value included)."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    at = 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _llama3(text: str, tools: Mapping[str, Any], ids: Callable[[], str]) -> ParsedReply:
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG) :].lstrip()
+    if not body.startswith(("{", "[")):
+        return ParsedReply(content=text)  # a plain reply: calls come alone, first
+    values = _json_values(body)
+    if values is None:
+        return _as_text(text, "the JSON of the call is cut off or malformed")
+    items = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    if not all(isinstance(v, Mapping) and "name" in v for v in items):
+        return ParsedReply(content=text)  # JSON the model wrote as its answer, not a call
+    calls = []
+    for item in items:
+        call = _call(item, tools, ids, keys=("parameters", "arguments"))
+        if isinstance(call, str):
+            return _as_text(text, call)
+        calls.append(call)
+    return ParsedReply(content="", calls=tuple(calls))
+
+
+def _hermes(text: str, tools: Mapping[str, Any], ids: Callable[[], str]) -> ParsedReply:
+    if _HERMES_OPEN not in text:
+        return ParsedReply(content=text)
+    content, calls, at = [], [], 0
+    while (start := text.find(_HERMES_OPEN, at)) >= 0:
+        content.append(text[at:start])
+        end = text.find(_HERMES_CLOSE, start)
+        if end < 0:
+            return _as_text(text, f"{_HERMES_OPEN} without {_HERMES_CLOSE}")
+        inner = text[start + len(_HERMES_OPEN) : end]
+        values = _json_values(inner)
+        if values is None or len(values) != 1:
+            return _as_text(text, "the JSON of the call is cut off or malformed")
+        call = _call(values[0], tools, ids, keys=("arguments", "parameters"))
+        if isinstance(call, str):
+            return _as_text(text, call)
+        calls.append(call)
+        at = end + len(_HERMES_CLOSE)
+    content.append(text[at:])
+    return ParsedReply(content="".join(content).strip(), calls=tuple(calls))
+
+
+def _generic(text: str, tools: Mapping[str, Any], ids: Callable[[], str]) -> ParsedReply:
+    body = text.strip()
+    if not body.startswith("{"):
+        return ParsedReply(content=text)  # the model answered in prose after all
+    values = _json_values(body)
+    if values is None or len(values) != 1 or not isinstance(values[0], Mapping):
+        return _as_text(text, "the JSON answer is cut off or malformed")
+    answer = values[0]
+    if "tool_calls" in answer or "tool_call" in answer:
+        raw = answer.get("tool_calls", [answer.get("tool_call")])
+        if not isinstance(raw, list) or not raw:
+            return _as_text(text, "tool_calls is not a list of calls")
+        calls = []
+        for item in raw:
+            call = _call(item, tools, ids, keys=("arguments", "parameters"))
+            if isinstance(call, str):
+                return _as_text(text, call)
+            calls.append(call)
+        return ParsedReply(content="", calls=tuple(calls))
+    if "response" in answer:
+        response = answer["response"]
+        return ParsedReply(
+            content=response if isinstance(response, str) else json.dumps(response, indent=2)
+        )
+    return ParsedReply(content=text)

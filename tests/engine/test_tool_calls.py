@@ -1,0 +1,226 @@
+"""Tool calls parsed from canned model outputs, one set per format, written from each format's
+documentation (Meta's Llama 3.1 prompt format, the Hermes/Qwen ``<tool_call>`` blocks,
+llama.cpp's generic JSON answer), malformed and truncated calls included.
+
+Oracles: the calls written by hand in each output (name, arguments as a dict), and the
+arguments' JSON text parsed back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import pytest
+
+from chatctx.errors import ConfigError
+from chatctx.model.template import CHATML_TEMPLATE, LLAMA3_TEMPLATE
+from chatctx.model.tools import ParsedReply, check_tools, parse_tool_calls, tool_format
+
+
+def _tool(name: str, **properties: Any) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} for the support agent",
+            "parameters": {"type": "object", "properties": properties},
+        },
+    }
+
+
+TOOLS = check_tools(
+    [
+        _tool("lookup_order", order_id={"type": "string"}),
+        _tool("open_ticket", subject={"type": "string"}, priority={"type": "integer"}),
+    ]
+)
+
+
+def _ids() -> Any:
+    counter = itertools.count(1)
+    return lambda: f"call_{next(counter)}"
+
+
+def _calls(parsed: ParsedReply) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+
+
+# -- Llama 3.1 / 3.2 / 3.3 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        '{"name": "lookup_order", "parameters": {"order_id": "A-1"}}',
+        '{"type": "function", "name": "lookup_order", "parameters": {"order_id": "A-1"}}',
+        '<|python_tag|>{"name": "lookup_order", "parameters": {"order_id": "A-1"}}',
+        '\n  {"name": "lookup_order", "arguments": {"order_id": "A-1"}}  \n',
+        '{"name": "lookup_order", "parameters": "{\\"order_id\\": \\"A-1\\"}"}',
+    ],
+)
+def test_llama3_single_call(output: str) -> None:
+    parsed = parse_tool_calls(output, "llama3", TOOLS, ids=_ids())
+    assert _calls(parsed) == [("lookup_order", {"order_id": "A-1"})]
+    assert parsed.content == "" and parsed.warning is None
+    assert parsed.calls[0].to_openai() == {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "lookup_order", "arguments": '{"order_id": "A-1"}'},
+    }
+
+
+def test_llama3_parallel_calls() -> None:
+    output = (
+        '{"name": "lookup_order", "parameters": {"order_id": "A-1"}}; '
+        '{"name": "open_ticket", "parameters": {"subject": "late", "priority": 2}}'
+    )
+    parsed = parse_tool_calls(output, "llama3", TOOLS, ids=_ids())
+    assert _calls(parsed) == [
+        ("lookup_order", {"order_id": "A-1"}),
+        ("open_ticket", {"subject": "late", "priority": 2}),
+    ]
+    assert [c.id for c in parsed.calls] == ["call_1", "call_2"]
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        "Your order A-1 left the warehouse on Monday.",
+        '{"status": "shipped"}',  # JSON the model answered with: no call in it
+        'The call would be {"name": "lookup_order"} but I know it already.',
+    ],
+)
+def test_llama3_plain_replies_are_content(output: str) -> None:
+    parsed = parse_tool_calls(output, "llama3", TOOLS)
+    assert parsed == ParsedReply(content=output)
+
+
+@pytest.mark.parametrize(
+    ("output", "why"),
+    [
+        ('{"name": "lookup_order", "parameters": {"order_id": "A-', "cut off"),  # max_tokens
+        ('{"name": "refund_everything", "parameters": {}}', "not offered"),
+        ('{"name": "lookup_order", "parameters": ["A-1"]}', "not a JSON object"),
+        ('{"name": "lookup_order", "parameters": "A-1"}', "not JSON"),
+    ],
+)
+def test_llama3_malformed_calls_are_kept_as_text(output: str, why: str) -> None:
+    parsed = parse_tool_calls(output, "llama3", TOOLS)
+    assert parsed.calls == () and parsed.content == output
+    assert parsed.warning is not None and why in parsed.warning
+
+
+# -- Hermes / Qwen (ChatML) ---------------------------------------------------------------------
+
+
+def test_hermes_calls_and_the_text_around_them() -> None:
+    output = (
+        "Let me check both.\n"
+        '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A-1"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "open_ticket", "arguments": {"subject": "late"}}\n</tool_call>'
+    )
+    parsed = parse_tool_calls(output, "hermes", TOOLS, ids=_ids())
+    assert _calls(parsed) == [
+        ("lookup_order", {"order_id": "A-1"}),
+        ("open_ticket", {"subject": "late"}),
+    ]
+    assert parsed.content == "Let me check both."
+    assert parsed.warning is None
+
+
+def test_hermes_without_a_block_is_content() -> None:
+    text = 'I can help. {"name": "lookup_order"} is what I would call.'
+    assert parse_tool_calls(text, "hermes", TOOLS) == ParsedReply(content=text)
+
+
+@pytest.mark.parametrize(
+    ("output", "why"),
+    [
+        ('<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A', "without"),
+        (
+            '<tool_call>{"name": "lookup_order", "arguments": {"order_id": }}</tool_call>',
+            "malformed",
+        ),
+        ('<tool_call>{"name": "delete_db", "arguments": {}}</tool_call>', "not offered"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "no function name"),
+    ],
+)
+def test_hermes_malformed_calls_are_kept_as_text(output: str, why: str) -> None:
+    parsed = parse_tool_calls(output, "hermes", TOOLS)
+    assert parsed.calls == () and parsed.content == output
+    assert parsed.warning is not None and why in parsed.warning
+
+
+# -- generic JSON (templates without tool support) ----------------------------------------------
+
+
+def test_generic_answers() -> None:
+    one = '{"tool_call": {"name": "lookup_order", "arguments": {"order_id": "A-1"}}}'
+    assert _calls(parse_tool_calls(one, "generic", TOOLS)) == [
+        ("lookup_order", {"order_id": "A-1"})
+    ]
+    many = (
+        '{"tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A-1"}, '
+        '"id": "c-17"}, {"name": "open_ticket", "arguments": {"subject": "x"}, "id": "c-18"}]}'
+    )
+    parsed = parse_tool_calls(many, "generic", TOOLS)
+    assert [c.id for c in parsed.calls] == ["c-17", "c-18"]  # the model's own ids are kept
+    reply = parse_tool_calls('{"response": "It ships today."}', "generic", TOOLS)
+    assert reply == ParsedReply(content="It ships today.")
+    prose = "It ships today."
+    assert parse_tool_calls(prose, "generic", TOOLS) == ParsedReply(content=prose)
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        '{"tool_call": {"name": "lookup_order", "arguments": {"order_id": "A-1"',
+        '{"tool_calls": []}',
+        '{"tool_call": {"name": "unknown_tool", "arguments": {}}}',
+    ],
+)
+def test_generic_malformed_answers_are_kept_as_text(output: str) -> None:
+    parsed = parse_tool_calls(output, "generic", TOOLS)
+    assert parsed.calls == () and parsed.content == output and parsed.warning
+
+
+# -- which format a template speaks, and the tools a request offers ------------------------------
+
+LLAMA31_EXCERPT = (
+    "{%- if tools is not none %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+)
+QWEN_EXCERPT = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}# Tools\\n<tools></tools>"
+    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>'
+)
+
+
+def test_the_format_is_read_from_the_template() -> None:
+    assert tool_format(LLAMA31_EXCERPT) == "llama3"
+    assert tool_format(QWEN_EXCERPT) == "hermes"
+    assert tool_format(LLAMA3_TEMPLATE) == "generic"  # Llama 3.0's template takes no tools
+    assert tool_format(CHATML_TEMPLATE) == "generic"
+    assert tool_format(None) == "generic"
+
+
+@pytest.mark.parametrize(
+    ("tools", "field"),
+    [
+        ([{"type": "retrieval"}], "tools[0].type"),
+        ([{"type": "function"}], "tools[0].function"),
+        ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+        ([{"type": "function", "function": {"name": "<|eot_id|>"}}], "tools[0].function.name"),
+        ([_tool("a"), _tool("a")], "tools[1].function.name"),
+        (
+            [{"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}}],
+            "tools[0].function.parameters",
+        ),
+        ("lookup_order", "tools must be a list"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_field(tools: Any, field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        check_tools(tools)
