@@ -96,6 +96,7 @@ class PromptCodec:
             if self.specials
             else None
         )
+        template.protect(self.specials)  # no JSON it writes holds a control token's text
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with special-token text parsed as control tokens."""
@@ -109,9 +110,15 @@ class PromptCodec:
         return len(self.encode_text(text))
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedPrompt:
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokens of a prompt; a ``RenderedPrompt``'s content is encoded as plain text."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from chatctx.errors import ModelError
+from chatctx.model.tools import ToolFormat, generic_messages, tool_format
 
 logger = logging.getLogger("chatctx.template")
 
@@ -81,6 +83,16 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def escape_specials(text: str, specials: re.Pattern[str] | None) -> str:
+    """JSON text with no special-token text in it: the first character of each occurrence is
+    written as a ``\\u`` escape. Special-token text can only be inside a JSON string, where
+    the escape means the same character, so the value is unchanged and a tool's schema or a
+    call's arguments can never become a control token."""
+    if specials is None:
+        return text
+    return specials.sub(lambda m: f"\\u{ord(m.group()[0]):04x}{m.group()[1:]}", text)
+
+
 class ChatTemplate:
     """A compiled chat template with the model's special token strings."""
 
@@ -90,7 +102,8 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = _tojson
+        env.filters["tojson"] = self._tojson
+        self._specials: re.Pattern[str] | None = None
         try:
             self._template = env.from_string(source)
         except TemplateError as exc:
@@ -100,21 +113,55 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def protect(self, specials: Iterable[str]) -> None:
+        """The model's special-token texts: JSON the template writes (tool schemas, calls'
+        arguments) never contains them as such (``escape_specials``)."""
+        texts = sorted(set(specials), key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def _tojson(self, value: Any, indent: int | None = None) -> str:
+        return escape_specials(_tojson(value, indent), self._specials)
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        variables: Mapping[str, Any],
+    ) -> str:
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **variables,
             )
         except TemplateError as exc:
             raise ModelError(f"the chat template ({self.name}) failed: {exc}") from exc
 
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this template's model writes tool calls (``chatctx.model.tools``)."""
+        return tool_format(self.source)
+
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedPrompt:
-        """The prompt text for ``messages`` (dicts in OpenAI chat format), with content spans."""
+        """The prompt text for ``messages`` (dicts in OpenAI chat format), with content spans.
+
+        ``tools`` (OpenAI function tools, checked by ``check_tools``) go to a template that
+        takes them (Llama 3.1+, Hermes/Qwen); for any other the system turn lists them and
+        asks for the generic JSON answer, and earlier calls and results are written in it.
+        """
+        variables: dict[str, Any] = {}
+        if self.tool_format == "generic":
+            messages = generic_messages(messages, tools, escape=self._tojson)
+        elif tools:
+            variables = {"tools": [dict(t) for t in tools], "tools_in_user_message": False}
         plain = [dict(m) for m in messages]
         marked: list[dict[str, Any]] = []
         contents: list[tuple[str, str]] = []  # (marker, content)
@@ -127,15 +174,15 @@ class ChatTemplate:
             else:
                 marked.append(message)
         if not contents:
-            return RenderedPrompt(self._render(plain, add_generation_prompt), ())
-        skeleton = self._render(marked, add_generation_prompt)
+            return RenderedPrompt(self._render(plain, add_generation_prompt, variables), ())
+        skeleton = self._render(marked, add_generation_prompt, variables)
         found = self._substitute(skeleton, contents)
         if found is not None:
             return found
         # The template changed the content (not only trimmed it): fall back to the real
         # rendering; the codec then treats special-token text in any content as text.
         logger.debug("template %s transforms content; content spans unknown", self.name)
-        text = self._render(plain, add_generation_prompt)
+        text = self._render(plain, add_generation_prompt, variables)
         return RenderedPrompt(text, None, [c for _, c in contents])
 
     @staticmethod

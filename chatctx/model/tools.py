@@ -31,10 +31,12 @@ from chatctx.errors import ConfigError
 
 __all__ = [
     "FORMATS",
+    "GENERIC_INSTRUCTIONS",
     "ParsedReply",
     "ToolCall",
     "ToolFormat",
     "check_tools",
+    "generic_messages",
     "parse_tool_calls",
     "tool_format",
 ]
@@ -264,3 +266,65 @@ def _generic(text: str, tools: Mapping[str, Any], ids: Callable[[], str]) -> Par
             content=response if isinstance(response, str) else json.dumps(response, indent=2)
         )
     return ParsedReply(content=text)
+
+
+GENERIC_INSTRUCTIONS = (
+    "You can call the tools listed below. Answer with one JSON object and nothing else: "
+    '{"tool_call": {"name": "<tool>", "arguments": {...}}} to call a tool, '
+    '{"tool_calls": [{"id": "<id>", "name": "<tool>", "arguments": {...}}, ...]} to call '
+    'several at once, or {"response": "<your reply>"} to answer the user. A tool\'s result '
+    'comes back as {"tool_response": ...}.'
+)
+
+
+def generic_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    *,
+    escape: Callable[..., str] = json.dumps,
+) -> list[dict[str, Any]]:
+    """``messages`` for a template with no tool support: the tools and how to call them in
+    the system turn, earlier calls as the JSON answer that made them, results as user turns
+    holding ``{"tool_response": ...}``. Unchanged when nothing in them is about tools.
+    ``escape`` writes JSON (the template's, so special-token text never appears)."""
+    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return [dict(m) for m in messages]
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [
+                {
+                    "id": call.get("id"),
+                    "name": call.get("function", {}).get("name"),
+                    "arguments": _loaded(call.get("function", {}).get("arguments")),
+                }
+                for call in message["tool_calls"]
+            ]
+            out.append({"role": "assistant", "content": escape({"tool_calls": calls})})
+        elif role == "tool":
+            response = {
+                "tool_call_id": message.get("tool_call_id"),
+                "content": message.get("content"),
+            }
+            out.append({"role": "user", "content": escape({"tool_response": response})})
+        else:
+            out.append(dict(message))
+    if tools:
+        listing = escape([dict(tool.get("function", {})) for tool in tools], indent=2)
+        text = f"{GENERIC_INSTRUCTIONS}\n\n{listing}"
+        if out and out[0].get("role") == "system":
+            out[0]["content"] = f"{out[0].get('content') or ''}\n\n{text}".lstrip()
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _loaded(arguments: Any) -> Any:
+    """Arguments as a value: OpenAI sends them as JSON text."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments

@@ -350,9 +350,15 @@ class Engine(PooledLeases, Closeable):
             return self.model.detokenize(tokens, special=special)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedPrompt:
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.codec().render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
 
     def prompt_tokens(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
