@@ -176,6 +176,24 @@ def _call(
     return ToolCall(call_id, name, json.dumps(arguments, ensure_ascii=False))
 
 
+def _all_calls(
+    text: str,
+    items: Sequence[Any],
+    tools: Mapping[str, Any],
+    ids: Callable[[], str],
+    *,
+    keys: Sequence[str],
+) -> ParsedReply:
+    """A reply of calls only, or ``text`` kept as text when any item is not a good call."""
+    calls = []
+    for item in items:
+        call = _call(item, tools, ids, keys=keys)
+        if isinstance(call, str):
+            return _as_text(text, call)
+        calls.append(call)
+    return ParsedReply(content="", calls=tuple(calls))
+
+
 def _as_text(text: str, why: str) -> ParsedReply:
     return ParsedReply(content=text, warning=f"tool call not understood, kept as text: {why}")
 
@@ -210,13 +228,7 @@ def _llama3(text: str, tools: Mapping[str, Any], ids: Callable[[], str]) -> Pars
     items = [v for value in values for v in (value if isinstance(value, list) else [value])]
     if not all(isinstance(v, Mapping) and "name" in v for v in items):
         return ParsedReply(content=text)  # JSON the model wrote as its answer, not a call
-    calls = []
-    for item in items:
-        call = _call(item, tools, ids, keys=("parameters", "arguments"))
-        if isinstance(call, str):
-            return _as_text(text, call)
-        calls.append(call)
-    return ParsedReply(content="", calls=tuple(calls))
+    return _all_calls(text, items, tools, ids, keys=("parameters", "arguments"))
 
 
 def _hermes(text: str, tools: Mapping[str, Any], ids: Callable[[], str]) -> ParsedReply:
@@ -253,13 +265,7 @@ def _generic(text: str, tools: Mapping[str, Any], ids: Callable[[], str]) -> Par
         raw = answer.get("tool_calls", [answer.get("tool_call")])
         if not isinstance(raw, list) or not raw:
             return _as_text(text, "tool_calls is not a list of calls")
-        calls = []
-        for item in raw:
-            call = _call(item, tools, ids, keys=("arguments", "parameters"))
-            if isinstance(call, str):
-                return _as_text(text, call)
-            calls.append(call)
-        return ParsedReply(content="", calls=tuple(calls))
+        return _all_calls(text, raw, tools, ids, keys=("arguments", "parameters"))
     if "response" in answer:
         response = answer["response"]
         return ParsedReply(
