@@ -30,11 +30,14 @@ from typing import Any, Literal
 from chatctx.errors import ConfigError
 
 __all__ = [
+    "CALL_CLOSE",
+    "CALL_OPEN",
     "FORMATS",
     "GENERIC_INSTRUCTIONS",
     "ParsedReply",
     "ToolCall",
     "ToolFormat",
+    "call_schema",
     "check_tools",
     "generic_messages",
     "parse_tool_calls",
@@ -334,3 +337,47 @@ def _loaded(arguments: Any) -> Any:
         except ValueError:
             return arguments
     return arguments
+
+
+def call_schema(
+    tools: Mapping[str, Mapping[str, Any]],
+    fmt: ToolFormat,
+    *,
+    parallel: bool = False,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """The JSON schema a whole reply must meet when a call is required (``tool_choice``
+    ``"required"``, or the function ``name``): a grammar made from it (llama.cpp's JSON schema
+    converter) makes every sampled reply a call ``parse_tool_calls`` reads in format ``fmt``.
+    Hermes-style calls are a JSON object inside the ``<tool_call>`` tags, which a grammar
+    adds around this schema (``CALL_OPEN``/``CALL_CLOSE``)."""
+    if name is not None and name not in tools:
+        raise ConfigError(f"tool_choice names {name!r}, which is not in tools")
+    names = [name] if name is not None else list(tools)
+    key = "parameters" if fmt == "llama3" else "arguments"
+    one = []
+    for function_name in names:
+        parameters = tools[function_name].get("parameters") or {"type": "object"}
+        properties: dict[str, Any] = {"name": {"const": function_name}, key: dict(parameters)}
+        required = ["name", key]
+        if parallel and fmt == "generic":
+            properties["id"] = {"type": "string", "pattern": "^call_[0-9a-z]{4,24}$"}
+            required.append("id")
+        one.append(
+            {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            }
+        )
+    call = one[0] if len(one) == 1 else {"anyOf": one}
+    if fmt == "generic":
+        if parallel:
+            wrapped = {"tool_calls": {"type": "array", "items": call, "minItems": 1}}
+            return {"type": "object", "properties": wrapped, "required": ["tool_calls"]}
+        return {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"]}
+    return call
+
+
+CALL_OPEN, CALL_CLOSE = _HERMES_OPEN, _HERMES_CLOSE

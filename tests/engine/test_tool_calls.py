@@ -329,3 +329,90 @@ def test_a_template_without_tool_support_gets_the_generic_format(tiny_llama3_pat
     # Without tools or tool messages nothing changes.
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert generic_messages(chat, None) == chat
+
+
+# -- a required call: the grammar made from call_schema forces a call the parser reads -----------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "parallel", "name"),
+    [("generic", False, None), ("generic", True, None), ("llama3", False, "open_ticket")],
+)
+def test_a_grammar_from_the_call_schema_makes_a_random_model_write_a_valid_call(
+    tiny_llama3_path: Any, fmt: Any, parallel: bool, name: str | None
+) -> None:
+    # The oracle is the parser (written from the formats' documentation, tested above) and
+    # the offered tools: a random-weight model writes noise unless the grammar holds it.
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    from chatctx.backends.engine._native import NativeContext, NativeModel, Sampler
+    from chatctx.model.codec import open_codec
+    from chatctx.model.tools import call_schema
+
+    tools = check_tools(
+        [
+            _tool("lookup_order", order_id={"type": "string", "maxLength": 6}),
+            _tool("open_ticket", priority={"enum": [1, 2, 3]}),
+        ]
+    )
+    grammar = json_schema_to_gbnf(json.dumps(call_schema(tools, fmt, parallel=parallel, name=name)))
+    codec = open_codec(tiny_llama3_path)
+    prompt = codec.prompt_tokens([{"role": "user", "content": "where is my order?"}])
+    model = NativeModel(tiny_llama3_path, n_gpu_layers=0)
+    try:
+        ctx = NativeContext(
+            model, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1, kv_unified=True,
+            flash_attn=None, type_k="f16", type_v="f16", n_threads=1,
+        )  # fmt: skip
+        sampler = Sampler(
+            model, temperature=0.8, top_k=40, top_p=0.95, min_p=0.0, repeat_penalty=1.0,
+            repeat_last_n=0, seed=7, grammar=grammar,
+        )  # fmt: skip
+        try:
+            (index,) = ctx.decode_many([(0, prompt, 0, True)])
+            pieces, pos = [], len(prompt)
+            for _ in range(300):
+                token = sampler.sample(ctx, index)
+                if model.is_eog(token):
+                    break
+                pieces.append(model.piece(token))
+                (index,) = ctx.decode_many([(0, [token], pos, True)])
+                pos += 1
+            else:
+                pytest.fail("the grammar never let the reply end")
+        finally:
+            sampler.close()
+            ctx.close()
+    finally:
+        model.close()
+    text = b"".join(pieces).decode()
+    parsed = parse_tool_calls(text, fmt, tools)
+    assert parsed.warning is None, (parsed.warning, text)
+    assert parsed.calls, text
+    for call in parsed.calls:
+        assert call.name in tools and (name is None or call.name == name)
+        arguments = json.loads(call.arguments)
+        if call.name == "open_ticket" and "priority" in arguments:
+            assert arguments["priority"] in (1, 2, 3)
+
+
+def test_a_grammar_llama_cpp_cannot_parse_is_an_error(tiny_llama3_path: Any) -> None:
+    from chatctx.backends.engine._native import NativeModel, Sampler
+    from chatctx.errors import GenerationError
+
+    model = NativeModel(tiny_llama3_path, n_gpu_layers=0)
+    try:
+        with pytest.raises(GenerationError, match="grammar"):
+            Sampler(
+                model, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                repeat_last_n=0, seed=None, grammar="root ::= (",
+            )  # fmt: skip
+    finally:
+        model.close()
+
+
+def test_call_schema_refuses_a_function_not_offered() -> None:
+    from chatctx.model.tools import call_schema
+
+    with pytest.raises(ConfigError, match="not in tools"):
+        call_schema(TOOLS, "generic", name="refund_everything")

@@ -566,9 +566,21 @@ class Sampler(Closeable):
         repeat_penalty: float,
         repeat_last_n: int,
         seed: int | None,
+        grammar: str | None = None,
     ) -> None:
+        """``grammar`` (GBNF, root rule ``root``) limits every sampled token to what it
+        allows; a grammar llama.cpp cannot parse is a ``GenerationError``."""
         self.ptr: Any = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         add = ll.llama_sampler_chain_add
+        if grammar is not None:
+            constrained = ll.llama_sampler_init_grammar(
+                model.vocab, grammar.encode("utf-8"), b"root"
+            )
+            if not constrained:
+                ll.llama_sampler_free(self.ptr)
+                self.ptr = None
+                raise GenerationError("llama.cpp could not parse the grammar")
+            add(self.ptr, constrained)
         if repeat_penalty != 1.0 and repeat_last_n > 0:
             n_vocab = int(ll.llama_vocab_n_tokens(model.vocab))
             add(
