@@ -169,7 +169,7 @@ def _call(
             break
     if isinstance(arguments, str):  # some models send the arguments already as JSON text
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, strict=False)
         except ValueError:
             return f"the arguments of {name!r} are not JSON"
     if not isinstance(arguments, Mapping):
@@ -204,7 +204,9 @@ def _as_text(text: str, why: str) -> ParsedReply:
 def _json_values(text: str) -> list[Any] | None:
     """Every JSON value in ``text``, one after another (whitespace or ``;`` between), or None
     when anything else is there (a truncated value included)."""
-    decoder = json.JSONDecoder()
+    # Lenient about control characters inside strings: models write raw newlines and tabs
+    # in an argument's text, which the arguments re-written by ``json.dumps`` escape.
+    decoder = json.JSONDecoder(strict=False)
     values: list[Any] = []
     at = 0
     while True:
