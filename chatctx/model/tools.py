@@ -335,7 +335,7 @@ def _loaded(arguments: Any) -> Any:
     """Arguments as a value: OpenAI sends them as JSON text."""
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
+            return json.loads(arguments, strict=False)
         except ValueError:
             return arguments
     return arguments
