@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from chatctx.model.kv import KVReport
 from chatctx.model.template import RenderedPrompt
+from chatctx.model.tools import CallGrammar, ToolFormat
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,9 +68,19 @@ class Codec(Protocol):
     fingerprint: str
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedPrompt:
-        """The prompt text for ``messages``, knowing where their content lies."""
+        """The prompt text for ``messages``, knowing where their content lies; ``tools``
+        (OpenAI function tools) written where the model's template puts them."""
+        ...
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls (``chatctx.model.tools``)."""
         ...
 
     def encode_prompt(self, text: RenderedPrompt) -> list[int]:
@@ -307,6 +318,7 @@ class Backend(Protocol):
         settings: GenerationSettings | None = None,
         eviction: str = "shift",
         history_start: int | None = None,
+        grammar: CallGrammar | None = None,
     ) -> Stream: ...
 
     def side_generate(

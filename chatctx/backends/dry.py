@@ -38,6 +38,7 @@ from chatctx.backends.swap import SwapHit
 from chatctx.errors import ClosedError, ConfigError, GenerationError
 from chatctx.model.kv import SERVER_MIN_CHUNK, plan_in_order, plan_reuse
 from chatctx.model.memory import pad256
+from chatctx.model.tools import CallGrammar
 from chatctx.settings import GenerationSettings
 
 __all__ = ["DryBackend", "DryGeneration"]
@@ -217,8 +218,10 @@ class DryBackend(PooledLeases, Closeable):
         settings: GenerationSettings | None = None,
         eviction: str = "shift",
         history_start: int | None = None,
+        grammar: CallGrammar | None = None,
     ) -> DryGeneration:
-        """Bring slot ``seq_id``'s simulated cache to ``prompt`` once iterated; no text."""
+        """Bring slot ``seq_id``'s simulated cache to ``prompt`` once iterated; no text
+        (``grammar`` has nothing to hold)."""
         self._check_open()
         if not 0 <= seq_id < self.slots:
             raise ConfigError(f"sequence {seq_id} is not a slot: slots are 0..{self.slots - 1}")

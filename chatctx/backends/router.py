@@ -54,6 +54,7 @@ from chatctx.errors import (
 )
 
 if TYPE_CHECKING:
+    from chatctx.model.tools import CallGrammar
     from chatctx.settings import GenerationSettings
     from chatctx.store import Placement, Store
 
@@ -508,6 +509,7 @@ class Router(Closeable):
         settings: GenerationSettings | None = None,
         eviction: str = "shift",
         history_start: int | None = None,
+        grammar: CallGrammar | None = None,
     ) -> Stream:
         self._check_open()
         state, local = self._split(seq_id)
@@ -518,6 +520,7 @@ class Router(Closeable):
                 settings=settings,
                 eviction=eviction,
                 history_start=history_start,
+                grammar=grammar,
             )
         except (BackendUnavailable, ClosedError) as exc:
             raise self.failed(state.name, exc) from exc

@@ -193,15 +193,28 @@ class ContextBuilder:
     # counting -----------------------------------------------------------------------------
 
     def count_messages(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> int:
         """Exact prompt tokens of ``messages`` rendered with the model's template."""
-        return len(self._encode(messages, add_generation_prompt=add_generation_prompt))
+        return len(self._encode(messages, add_generation_prompt=add_generation_prompt, tools=tools))
 
     def _encode(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        rendered = self.codec.render(messages, add_generation_prompt=add_generation_prompt)
+        if tools:  # only then: a codec without tool support still counts plain prompts
+            rendered = self.codec.render(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
+        else:
+            rendered = self.codec.render(messages, add_generation_prompt=add_generation_prompt)
         if not isinstance(rendered, RenderedPrompt):
             # A plain string does not say where message content lies: a user's
             # "<|eot_id|>" could become a control token and forge a turn.
@@ -250,11 +263,16 @@ class ContextBuilder:
         reserve: int = 0,
         state: ContextState | None = None,
         pinned: Sequence[Message] = (),
+        open_turn: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> BuildResult:
         """Plan the prompt for ``new_message`` after ``history``.
 
         ``history`` holds the stored messages from ``state.window_start`` on (earlier ones are
-        ignored); ``pinned`` messages always follow the system prompt.
+        ignored); ``pinned`` messages always follow the system prompt. ``open_turn``: the
+        assistant's tool calls and their results that follow ``new_message`` in a turn still
+        open (they go with it, never evicted). ``tools``: OpenAI function tools the template
+        writes into the prompt.
         """
         start = self._clock()
         state = state or ContextState()
@@ -269,7 +287,11 @@ class ContextBuilder:
         head += [m.to_openai() for m in pinned]
         window = [m for m in history if m.position >= state.window_start and m.id not in pinned_ids]
         turns = group_turns(window)
-        new = {"role": "user", "content": new_message}
+        new = [{"role": "user", "content": new_message}, *map(dict, open_turn)]
+
+        def count(messages: Sequence[Mapping[str, Any]]) -> int:
+            return self.count_messages(messages, tools=tools)
+
         # An addition to the summary written now is sent after the last message there is.
         after = history[-1].position if history else state.window_start - 1
         kinds: list[str] = []  # the section of each message of the last assemble()
@@ -277,7 +299,7 @@ class ContextBuilder:
         def assemble(
             summary: str | None,
             kept: Sequence[Sequence[Message]],
-            last: Mapping[str, Any],
+            last: Sequence[Mapping[str, Any]],
             recall: str | None = None,
         ) -> list[dict[str, Any]]:
             out = list(head)
@@ -300,15 +322,15 @@ class ContextBuilder:
             if recall:
                 out.append({"role": "system", "content": recall})
                 kinds.append("recall")
-            out.append(dict(last))
-            kinds.append("new_message")
+            out += map(dict, last)
+            kinds.extend(["new_message"] * len(last))
             return out
 
         summary = state.summary
         summary_tokens = state.summary_tokens
         blocks = state.summary_blocks
         abridged = state.abridged
-        total = self.count_messages(assemble(summary, turns, new))
+        total = count(assemble(summary, turns, new))
         plan = ContextPlan(
             policy=s.policy,
             budget=budget,
@@ -336,7 +358,7 @@ class ContextBuilder:
                 summary_blocks=blocks,
                 abridged=abridged,
             )
-            total = self.count_messages(assemble(summary, turns, new))
+            total = count(assemble(summary, turns, new))
             plan.prompt_tokens = total
         evicted: list[Message] = []
         # A turn that asks back is owed its recall room: when the prompt leaves less than
@@ -377,7 +399,7 @@ class ContextBuilder:
             if summary != state.summary:
                 blocks = next_blocks(state.summary, blocks, summary, after)
                 abridged = self._abridge(summary, abridged, folded, plan, budget)
-            total = self.count_messages(assemble(summary, turns, new))
+            total = count(assemble(summary, turns, new))
             while total > budget and turns:  # the summary grew more than expected
                 late = turns.pop(0)
                 plan.evicted_ids += [m.id for m in late]
@@ -385,7 +407,7 @@ class ContextBuilder:
                     pending += [m.id for m in late]
                 else:
                     plan.drop([m.id for m in late], "no summarizer")
-                total = self.count_messages(assemble(summary, turns, new))
+                total = count(assemble(summary, turns, new))
         sent_summary = summary
         if total > budget and summary:
             # The summary is optional, the newest message is not: leave the summary out of
@@ -393,9 +415,9 @@ class ContextBuilder:
             sent_summary = None
             plan.summary_omitted = True
             plan.yielded.append("summary")
-            total = self.count_messages(assemble(None, turns, new))
+            total = count(assemble(None, turns, new))
         if total > budget:
-            new, total = self._oversized(assemble, sent_summary, new, total, budget, plan)
+            new, total = self._oversized(assemble, sent_summary, new, total, budget, plan, count)
         window_start = state.window_start
         if plan.evicted:
             window_start = (
@@ -418,7 +440,7 @@ class ContextBuilder:
         while True:
             recall_text = render_section([(m, t) for m, t, _ in recalled]) if recalled else None
             messages = assemble(sent_summary, turns, new, recall_text)
-            tokens = self._encode(messages)
+            tokens = self._encode(messages, tools=tools)
             # Per-message counts can differ from the whole prompt's by a merge at a boundary.
             if len(tokens) <= max(budget, total) or not recalled:
                 break
@@ -431,8 +453,8 @@ class ContextBuilder:
         plan.window_start = window_start
         plan.prompt_tokens = total
         plan.kept_ids = [m.id for turn in turns for m in turn]
-        plan.sections, plan.history_start = self._sections(kinds, messages, total, reserve)
-        plan.new_tokens = self._new_tokens(history, plan)
+        plan.sections, plan.history_start = self._sections(kinds, messages, total, reserve, tools)
+        plan.new_tokens = self._new_tokens(history, plan, open_turn)
         plan.prompt_hash = hashlib.sha256(
             b"".join(t.to_bytes(4, "little") for t in tokens)
         ).hexdigest()[:16]
@@ -693,12 +715,15 @@ class ContextBuilder:
         self,
         assemble: Callable[..., list[dict[str, Any]]],
         summary: str | None,
-        new: dict[str, Any],
+        new: list[dict[str, Any]],
         total: int,
         budget: int,
         plan: ContextPlan,
-    ) -> tuple[dict[str, Any], int]:
-        fixed = self.count_messages(assemble(summary, [], {"role": "user", "content": ""}))
+        count: Callable[[Sequence[Mapping[str, Any]]], int],
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The newest message cut in its middle until the prompt fits (the rest of an open
+        turn, tool calls and results, is kept whole)."""
+        fixed = count(assemble(summary, [], [{"role": "user", "content": ""}, *new[1:]]))
         message = total - fixed
         if not self.settings.truncate_oversized or fixed >= budget:
             raise ContextBudgetError(
@@ -708,9 +733,9 @@ class ContextBuilder:
                 budget=budget,
                 n_ctx=budget + plan.reserve,
             )
-        content = str(new["content"])
+        content = str(new[0]["content"])
         lo, hi = 0, len(content)  # characters kept
-        best: tuple[dict[str, Any], int] | None = None
+        best: tuple[list[dict[str, Any]], int] | None = None
         while lo <= hi:
             keep = (lo + hi) // 2
             cut = (
@@ -718,8 +743,8 @@ class ContextBuilder:
                 + TRUNCATION_MARKER.format(n=len(content) - keep)
                 + content[len(content) - keep // 2 :]
             )
-            candidate = {"role": "user", "content": cut}
-            n = self.count_messages(assemble(summary, [], candidate))
+            candidate = [{"role": "user", "content": cut}, *new[1:]]
+            n = count(assemble(summary, [], candidate))
             if n <= budget:
                 best = (candidate, n)
                 lo = keep + 1
@@ -735,9 +760,25 @@ class ContextBuilder:
         plan.truncated = True
         return best
 
-    def _new_tokens(self, history: Sequence[Message], plan: ContextPlan) -> int:
+    def _new_tokens(
+        self,
+        history: Sequence[Message],
+        plan: ContextPlan,
+        open_turn: Sequence[Mapping[str, Any]] = (),
+    ) -> int:
         # Replies (and tool messages) stored since the last user message were never part of
-        # a prompt; on the first turn everything is new.
+        # a prompt; on the first turn everything is new. In an open turn the user message and
+        # the calls before the newest results were: the previous step's prompt and output.
+        if open_turn:
+            results = len(open_turn) - next(
+                (i for i, m in enumerate(reversed(open_turn)) if m.get("role") != "tool"),
+                len(open_turn),
+            )
+            return (
+                plan.sections["recall"]
+                + sum(self._delta(m) for m in open_turn[len(open_turn) - results :])
+                + self._generation_prompt_tokens()
+            )
         last_user = max((i for i, m in enumerate(history) if m.role == "user"), default=None)
         if last_user is None and not history:
             return plan.prompt_tokens
@@ -759,14 +800,19 @@ class ContextBuilder:
         return self._gen_prompt_tokens
 
     def _sections(
-        self, kinds: Sequence[str], full: list[dict[str, Any]], total: int, reserve: int
+        self,
+        kinds: Sequence[str],
+        full: list[dict[str, Any]],
+        total: int,
+        reserve: int,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[dict[str, int], int]:
         """Exact section sizes that add up to the prompt's length (from prefix renders, one
         where the section changes), and where the first kept turn begins."""
 
         def upto(n: int) -> int:
             # n == 0 still counts: a template may open every prompt with BOS.
-            return self.count_messages(full[:n], add_generation_prompt=False)
+            return self.count_messages(full[:n], add_generation_prompt=False, tools=tools)
 
         sections = dict.fromkeys(("system", "summary", "history", "recall", "new_message"), 0)
         n_head = sum(1 for kind in kinds if kind == "system")

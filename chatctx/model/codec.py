@@ -23,6 +23,7 @@ import tiktoken
 
 from chatctx.model.gguf import read_metadata
 from chatctx.model.template import ChatTemplate, RenderedPrompt, template_for
+from chatctx.model.tools import ToolFormat
 
 logger = logging.getLogger("chatctx.codec")
 
@@ -108,6 +109,11 @@ class PromptCodec:
 
     def count(self, text: str) -> int:
         return len(self.encode_text(text))
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls, read from its chat template."""
+        return self.template.tool_format
 
     def render(
         self,

@@ -34,10 +34,15 @@ __all__ = [
     "CALL_OPEN",
     "FORMATS",
     "GENERIC_INSTRUCTIONS",
+    "CallGrammar",
     "ParsedReply",
+    "ReplyFilter",
     "ToolCall",
+    "ToolChoice",
     "ToolFormat",
+    "call_grammar",
     "call_schema",
+    "check_tool_choice",
     "check_tools",
     "generic_messages",
     "parse_tool_calls",
@@ -188,11 +193,13 @@ def _all_calls(
     keys: Sequence[str],
 ) -> ParsedReply:
     """A reply of calls only, or ``text`` kept as text when any item is not a good call."""
-    calls = []
+    calls: list[ToolCall] = []
     for item in items:
         call = _call(item, tools, ids, keys=keys)
         if isinstance(call, str):
             return _as_text(text, call)
+        if any(c.id == call.id for c in calls):  # results are matched to calls by id
+            call = ToolCall(ids(), call.name, call.arguments)
         calls.append(call)
     return ParsedReply(content="", calls=tuple(calls))
 
@@ -383,3 +390,145 @@ def call_schema(
 
 
 CALL_OPEN, CALL_CLOSE = _HERMES_OPEN, _HERMES_CLOSE
+
+
+# -- what the caller asks for: tool_choice, and the grammar that enforces it -------------------
+
+# "auto": the model decides; "none": it answers in text (its output is not read as calls);
+# "required": it calls one of the tools; any other string: it calls that function.
+ToolChoice = str
+
+
+def check_tool_choice(choice: Any, tools: Mapping[str, Any]) -> ToolChoice:
+    """``tool_choice`` as OpenAI takes it (``"auto"``, ``"none"``, ``"required"`` or
+    ``{"type": "function", "function": {"name": ...}}``) as one string: the three modes, or
+    the name of the function that must be called. ``ConfigError`` names what is wrong."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise ConfigError(
+                f"tool_choice must be 'auto', 'none', 'required' or a function, not {choice!r}"
+            )
+        if choice == "required" and not tools:
+            raise ConfigError("tool_choice 'required' needs tools")
+        return choice
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise ConfigError("tool_choice.function.name must be a string")
+        if name not in tools:
+            raise ConfigError(f"tool_choice.function.name {name!r} is not in tools")
+        return name
+    raise ConfigError("tool_choice must be a string or {'type': 'function', 'function': {...}}")
+
+
+@dataclass(frozen=True, slots=True)
+class CallGrammar:
+    """What a whole reply must be when a call is required: a JSON value meeting ``schema``,
+    written between ``open`` and ``close`` (Hermes' tags) when they are set, once or, with
+    ``repeat``, several times (parallel calls). A backend turns it into a llama.cpp grammar."""
+
+    schema: dict[str, Any]
+    open: str = ""
+    close: str = ""
+    repeat: bool = False
+
+
+def call_grammar(
+    tools: Mapping[str, Mapping[str, Any]],
+    fmt: ToolFormat,
+    choice: ToolChoice,
+    *,
+    parallel: bool = True,
+) -> CallGrammar | None:
+    """The grammar that makes every sampled reply a valid call when ``choice`` requires one
+    (``"required"`` or a function's name); None when the model is free to answer in text."""
+    if choice in ("auto", "none") or not tools:
+        return None
+    name = None if choice == "required" else choice
+    if fmt == "hermes":
+        schema = call_schema(tools, fmt, name=name)
+        return CallGrammar(schema, f"{CALL_OPEN}\n", f"\n{CALL_CLOSE}", repeat=parallel)
+    return CallGrammar(call_schema(tools, fmt, parallel=parallel and fmt == "generic", name=name))
+
+
+# -- streaming a reply that may be a call ---------------------------------------------------------
+
+
+class ReplyFilter:
+    """What of a reply being generated can be shown as text while it streams.
+
+    A call must not reach the reader as text, so output that may be one is held back: a
+    Llama 3 reply that opens with JSON (or ``<|python_tag|>``), everything from a Hermes
+    ``<tool_call>`` on, and all of a generic JSON answer (its ``response`` is shown when it is
+    complete). ``feed`` returns the text to show now, ``finish`` the parsed reply and the rest
+    of its content. What was shown is always the start of the parsed reply's content.
+    """
+
+    def __init__(
+        self,
+        fmt: ToolFormat,
+        tools: Mapping[str, Any],
+        *,
+        reading: bool = True,
+        ids: Callable[[], str] = new_call_id,
+    ) -> None:
+        """``reading`` False (no tools, or ``tool_choice`` "none"): the output is all text."""
+        self.fmt = fmt
+        self.tools = tools
+        self.reading = reading and bool(tools)
+        self._ids = ids
+        self._text = ""
+        self._shown = 0  # characters of _text shown
+        self._plain = not self.reading  # known to be text to its end
+
+    def feed(self, chunk: str) -> str:
+        self._text += chunk
+        if self._plain:
+            return self._show(len(self._text))
+        if self.fmt == "llama3":
+            body = self._text.lstrip()
+            if not body:
+                return ""
+            if body.startswith(("{", "[", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body):
+                return ""
+            self._plain = True
+            return self._show(len(self._text))
+        if self.fmt == "hermes":
+            at = self._text.find(_HERMES_OPEN)
+            if at >= 0:
+                return self._show(at)
+            # Hold back what may be the start of an opening tag.
+            keep = next(
+                (
+                    n
+                    for n in range(min(len(_HERMES_OPEN) - 1, len(self._text)), 0, -1)
+                    if _HERMES_OPEN.startswith(self._text[-n:])
+                ),
+                0,
+            )
+            return self._show(len(self._text) - keep)
+        body = self._text.lstrip()  # generic: prose after all, or a JSON answer held whole
+        if body and not body.startswith("{"):
+            self._plain = True
+            return self._show(len(self._text))
+        return ""
+
+    def _show(self, upto: int) -> str:
+        if upto <= self._shown:
+            return ""
+        out, self._shown = self._text[self._shown : upto], upto
+        return out
+
+    def finish(self) -> tuple[ParsedReply, str]:
+        """The whole output parsed, and the content not yet shown."""
+        if not self.reading:
+            return ParsedReply(content=self._text), self._show(len(self._text))
+        parsed = parse_tool_calls(self._text, self.fmt, self.tools, ids=self._ids)
+        shown = self._text[: self._shown]
+        for start in (shown, shown.strip()):  # Hermes' content is stripped of spaces
+            if parsed.content.startswith(start):
+                return parsed, parsed.content[len(start) :]
+        return parsed, ""

@@ -28,6 +28,7 @@ from chatctx.backends.base import (
     TextEmbedder,
 )
 from chatctx.errors import ChatctxError, ConfigError, DeadlineExceeded
+from chatctx.model.tools import CallGrammar
 from chatctx.serve._errors import APIError
 from chatctx.serve._metrics import ServeMetrics
 from chatctx.serve._tenants import ConversationLocks, Tenancy, TurnLimiter
@@ -169,6 +170,7 @@ class OwnedAs:
         settings: GenerationSettings | None = None,
         eviction: str = "shift",
         history_start: int | None = None,
+        grammar: CallGrammar | None = None,
     ) -> Stream:
         return self.inner.generate(
             prompt,
@@ -176,6 +178,7 @@ class OwnedAs:
             settings=settings,
             eviction=eviction,
             history_start=history_start,
+            grammar=grammar,
         )
 
     def side_generate(

@@ -33,6 +33,7 @@ from chatctx.backends.engine._native import NativeContext, NativeModel, supports
 from chatctx.backends.engine._pool import KVSlots
 from chatctx.backends.engine._scheduler import PREFILL_CHUNK, BatchCounters, Job, Scheduler
 from chatctx.backends.engine._sequences import Insert, prepare
+from chatctx.backends.grammar import gbnf
 from chatctx.backends.pool import PooledLeases
 from chatctx.backends.swap import SwapEntry, fingerprint_mismatch
 from chatctx.errors import (
@@ -48,6 +49,7 @@ from chatctx.model.codec import PROBES, LlamaCodec, PromptCodec, open_codec
 from chatctx.model.memory import kv_cells, pad256, summary_room_for
 from chatctx.model.paths import resolve_model_path
 from chatctx.model.template import template_for
+from chatctx.model.tools import CallGrammar
 from chatctx.settings import EngineConfig, GenerationSettings
 
 logger = logging.getLogger("chatctx.backends.engine")
@@ -620,6 +622,7 @@ class Engine(PooledLeases, Closeable):
         settings: GenerationSettings | None = None,
         eviction: str = "shift",
         history_start: int | None = None,
+        grammar: CallGrammar | None = None,
     ) -> Generation:
         """Start generating after ``prompt`` on ``seq_id``; iterate the result for text.
 
@@ -627,6 +630,7 @@ class Engine(PooledLeases, Closeable):
         removed and the rest shifted in place); ``"recompute"`` re-evaluates everything after
         the common prefix. ``history_start`` (where the kept turns begin in the prompt) lets a
         shift also work when new tokens, such as a changed summary, precede them.
+        ``grammar`` holds every sampled token to what it allows (a required tool call).
         """
         self._check_seq(seq_id)
         if eviction not in ("shift", "recompute"):
@@ -635,8 +639,9 @@ class Engine(PooledLeases, Closeable):
             raise GenerationError("empty prompt")
         if len(prompt) >= self.n_ctx:
             raise GenerationError(f"prompt of {len(prompt)} tokens does not fit n_ctx={self.n_ctx}")
+        rules = gbnf(grammar) if grammar is not None else None
         return self._generation(
-            prompt, seq_id, settings or GenerationSettings(), eviction, history_start, False
+            prompt, seq_id, settings or GenerationSettings(), eviction, history_start, False, rules
         )
 
     def _generation(
@@ -647,6 +652,7 @@ class Engine(PooledLeases, Closeable):
         eviction: str,
         history_start: int | None,
         background: bool,
+        grammar: str | None = None,
     ) -> Generation:
         job = Job(
             seq_id=seq_id,
@@ -655,6 +661,7 @@ class Engine(PooledLeases, Closeable):
             eviction=eviction,
             history_start=history_start,
             background=background,
+            grammar=grammar,
         )
         return Generation(self, job)
 

@@ -58,6 +58,7 @@ class Job:
     eviction: str
     history_start: int | None
     background: bool = False
+    grammar: str | None = None  # GBNF the sampled tokens must follow
     first_token_only: bool = False
     state: str = "new"  # new -> prefill -> decode -> done
     todo: list[int] = field(default_factory=list)  # prompt tokens still to evaluate
@@ -330,19 +331,20 @@ class Scheduler:
         job.todo, job.pos, job.state = job.prompt[insert.resume :], insert.resume, "prefill"
 
     def _sample(self, job: Job, index: int) -> None:
-        if job.sampler is None:
-            s = job.settings
-            job.sampler = Sampler(
-                self.model,
-                temperature=s.temperature,
-                top_k=s.top_k,
-                top_p=s.top_p,
-                min_p=s.min_p,
-                repeat_penalty=s.repeat_penalty,
-                repeat_last_n=s.repeat_last_n,
-                seed=s.seed,
-            )
         try:
+            if job.sampler is None:
+                s = job.settings
+                job.sampler = Sampler(
+                    self.model,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    min_p=s.min_p,
+                    repeat_penalty=s.repeat_penalty,
+                    repeat_last_n=s.repeat_last_n,
+                    seed=s.seed,
+                    grammar=job.grammar,
+                )
             token = job.sampler.sample(self.context, index)
         except Exception as exc:
             self._fail(job, exc)

@@ -52,6 +52,7 @@ from chatctx.backends.base import (
     fit_side,
 )
 from chatctx.backends.engine import local_embedder
+from chatctx.backends.grammar import gbnf
 from chatctx.backends.llama_server._codec import server_codec
 from chatctx.backends.llama_server._http import check, require_httpx, translated
 from chatctx.backends.llama_server._slot_files import SlotFiles
@@ -69,6 +70,7 @@ from chatctx.model.codec import PROBES
 from chatctx.model.gguf import model_facts, read_metadata
 from chatctx.model.kv import SERVER_MIN_CHUNK, plan_in_order
 from chatctx.model.paths import resolve_model_path
+from chatctx.model.tools import CallGrammar
 from chatctx.settings import SWAP_DISK_MB, GenerationSettings
 
 logger = logging.getLogger("chatctx.backends.llama_server")
@@ -430,10 +432,12 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
         settings: GenerationSettings | None = None,
         eviction: str = "shift",
         history_start: int | None = None,
+        grammar: CallGrammar | None = None,
     ) -> ServerStream:
         """Stream a reply to ``prompt`` (token ids) from server slot ``seq_id``.
 
         A prompt longer than the slot raises ``ContextBudgetError`` (the server's verdict).
+        ``grammar`` goes to the server as a GBNF grammar (its sampler holds the reply to it).
         """
         self._check_open()
         self._check_slot(seq_id)
@@ -443,13 +447,15 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
             raise GenerationError("empty prompt")
         # history_start is for an engine that moves runs behind inserted text; the server
         # walks its cache in order (see plan_in_order).
-        return self._stream(prompt, seq_id, settings or GenerationSettings())
+        rules = gbnf(grammar) if grammar is not None else None
+        return self._stream(prompt, seq_id, settings or GenerationSettings(), rules)
 
     def _stream(
         self,
         prompt: Sequence[int],
         seq_id: int,
         settings: GenerationSettings,
+        grammar: str | None = None,
     ) -> ServerStream:
         tokens = [int(t) for t in prompt]
         body: dict[str, Any] = {
@@ -470,6 +476,8 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
         }
         if settings.seed is not None:
             body["seed"] = settings.seed
+        if grammar is not None:
+            body["grammar"] = grammar
         with self._lock:
             before = list(self._mirror[seq_id])
 
