@@ -11,6 +11,9 @@ from chatctx.model.tools import CallGrammar
 __all__ = ["gbnf"]
 
 _ROOT = re.compile(r"^root ::=", re.MULTILINE)
+_SPACE = re.compile(r'^space ::= .*$', re.MULTILINE)
+# The converter's separators, as literals between rule elements (never inside a string's).
+_SEPARATOR = re.compile(r'(?<=[\s(])"([,:])"(?=[\s)])')
 _CALL_RULE = "chatctx-call"  # the converter names rules after properties: no clash with it
 
 
@@ -23,6 +26,10 @@ def gbnf(grammar: CallGrammar) -> str:
         rules: str = json_schema_to_gbnf(json.dumps(grammar.schema))
     except Exception as exc:  # the converter raises plain exceptions for what it cannot do
         raise ConfigError(f"a tool's parameters cannot be made a grammar: {exc}") from exc
+    # JSON written as the templates write it back (``json.dumps``: ", " and ": ", no other
+    # space): a call the grammar held is then the prompt's text, and the cache holds on.
+    rules = _SPACE.sub('space ::= ""', rules, count=1)
+    rules = _SEPARATOR.sub(lambda m: f'"{m.group(1)} "', rules)
     if not grammar.open and not grammar.close and not grammar.repeat:
         return rules
     rules = _ROOT.sub(f"{_CALL_RULE} ::=", rules, count=1)

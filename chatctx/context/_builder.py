@@ -113,6 +113,8 @@ class ContextPlan:
     # Where the kept turns begin in the prompt: after system, pinned and the summary sent in
     # front of them.
     history_start: int = 0
+    tool_result_tokens: int = 0  # tool results sent whole (kept turns and the open one)
+    tool_cleared_tokens: int = 0  # what the results cleared to stubs held
 
     def drop(self, ids: Sequence[int], reason: str) -> None:
         """List messages that no summary will cover, and why."""
@@ -455,6 +457,9 @@ class ContextBuilder:
         plan.kept_ids = [m.id for turn in turns for m in turn]
         plan.sections, plan.history_start = self._sections(kinds, messages, total, reserve, tools)
         plan.new_tokens = self._new_tokens(history, plan, open_turn)
+        plan.tool_result_tokens = sum(
+            self.message_tokens([m for turn in turns for m in turn if m.role == "tool"])
+        ) + sum(self._delta(m) for m in open_turn if m.get("role") == "tool")
         plan.prompt_hash = hashlib.sha256(
             b"".join(t.to_bytes(4, "little") for t in tokens)
         ).hexdigest()[:16]

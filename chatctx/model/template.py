@@ -83,6 +83,28 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def _arguments_as_objects(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A message whose calls' arguments (JSON text, as OpenAI sends them) are objects: the
+    templates of models trained on calls write ``arguments | tojson``, which then gives the
+    JSON the model wrote rather than a quoted string (llama.cpp does the same)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        if isinstance(arguments, str):
+            try:
+                value = json.loads(arguments, strict=False)
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                call = {**call, "function": {**function, "arguments": value}}
+        out.append(call)
+    return {**message, "tool_calls": out}
+
+
 def escape_specials(text: str, specials: re.Pattern[str] | None) -> str:
     """JSON text with no special-token text in it: the first character of each occurrence is
     written as a ``\\u`` escape. Special-token text can only be inside a JSON string, where
@@ -160,8 +182,10 @@ class ChatTemplate:
         variables: dict[str, Any] = {}
         if self.tool_format == "generic":
             messages = generic_messages(messages, tools, escape=self._tojson)
-        elif tools:
-            variables = {"tools": [dict(t) for t in tools], "tools_in_user_message": False}
+        else:
+            messages = [_arguments_as_objects(m) for m in messages]
+            if tools:
+                variables = {"tools": [dict(t) for t in tools], "tools_in_user_message": False}
         plain = [dict(m) for m in messages]
         marked: list[dict[str, Any]] = []
         contents: list[tuple[str, str]] = []  # (marker, content)

@@ -311,11 +311,12 @@ def generic_messages(
     for message in messages:
         role = message.get("role")
         if role == "assistant" and message.get("tool_calls"):
+            # In the order of the keys a grammar-held call is written in (``call_schema``).
             calls = [
                 {
-                    "id": call.get("id"),
                     "name": call.get("function", {}).get("name"),
                     "arguments": _loaded(call.get("function", {}).get("arguments")),
+                    "id": call.get("id"),
                 }
                 for call in message["tool_calls"]
             ]
@@ -369,8 +370,8 @@ def call_schema(
         parameters = tools[function_name].get("parameters") or {"type": "object"}
         properties: dict[str, Any] = {"name": {"const": function_name}, key: dict(parameters)}
         required = ["name", key]
-        if parallel and fmt == "generic":
-            properties["id"] = {"type": "string", "pattern": "^call_[0-9a-z]{4,24}$"}
+        if fmt == "generic":
+            properties["id"] = {"type": "string", "pattern": "^call_[0-9a-z]{4,8}$"}
             required.append("id")
         one.append(
             {
@@ -381,11 +382,16 @@ def call_schema(
             }
         )
     call = one[0] if len(one) == 1 else {"anyOf": one}
-    if fmt == "generic":
-        if parallel:
-            wrapped = {"tool_calls": {"type": "array", "items": call, "minItems": 1}}
-            return {"type": "object", "properties": wrapped, "required": ["tool_calls"]}
-        return {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"]}
+    if fmt == "generic":  # always the list: earlier calls are written back in this form
+        calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        if not parallel:
+            calls["maxItems"] = 1
+        return {
+            "type": "object",
+            "properties": {"tool_calls": calls},
+            "required": ["tool_calls"],
+            "additionalProperties": False,
+        }
     return call
 
 

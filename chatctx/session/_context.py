@@ -7,7 +7,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,9 +229,18 @@ class ConversationContext:
         with background.peeking():
             return self.build(new_message).result
 
-    def build(self, new_message: str, sampling: GenerationSettings | None = None) -> _Built:
+    def build(
+        self,
+        new_message: str,
+        sampling: GenerationSettings | None = None,
+        *,
+        open_turn: tuple[int, Sequence[Mapping[str, Any]]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> _Built:
         """The context for ``new_message``, with the settings it was built under (one read;
-        ``sampling`` in place of the stored generation settings)."""
+        ``sampling`` in place of the stored generation settings). ``open_turn``: the
+        position of ``new_message`` when it is stored already, in a turn still open, and
+        the calls and results that follow it. ``tools``: the function tools offered."""
         conversation = self.store.get_conversation(self.conversation_id)
         parsed = ConversationSettings.parse(conversation.settings)
         generation, context = sampling or parsed.generation, parsed.context
@@ -247,6 +256,8 @@ class ConversationContext:
             else (),
         )
         history = self.store.messages(self.conversation_id, from_position=state.window_start)
+        if open_turn is not None:
+            history = [m for m in history if m.position < open_turn[0]]
         budget, reserve = self._budget(context, generation)
         built = self._builder_for(context, budget).build(
             system_prompt=conversation.system_prompt,
@@ -256,6 +267,8 @@ class ConversationContext:
             reserve=reserve,
             state=state,
             pinned=self.store.pinned_messages(self.conversation_id),
+            open_turn=open_turn[1] if open_turn is not None else (),
+            tools=tools,
         )
         return _Built(built, generation, context, parsed.generation, stored.version)
 

@@ -49,8 +49,10 @@ from chatctx.errors import (
     ContextStateConflict,
     DeadlineExceeded,
 )
+from chatctx.model.tools import ParsedReply, ReplyFilter, call_grammar, parse_tool_calls
 from chatctx.session._async import stream_in_thread
 from chatctx.session._context import ConversationContext, _Built, open_conversation
+from chatctx.session._tools import Ask, ask_for, open_turn
 from chatctx.session._turn import Reply, TurnInFlight, store_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.store import Message, Store, Turn, TurnClaim
@@ -122,6 +124,7 @@ class ChatSession(Closeable):
         self.last_reply: Reply | None = None
         self.last_user: Message | None = None  # the user message the last turn stored
         self.last_build: BuildResult | None = None  # the context sent on the last turn
+        self._last_tools: list[dict[str, Any]] | None = None  # offered on the last turn
         self._closed = False
         if seq_id is not None:
             engine.pin(conversation_id, seq_id)
@@ -325,39 +328,168 @@ class ChatSession(Closeable):
 
     # chatting -----------------------------------------------------------------------------
 
-    def send(self, text: str, *, settings: Sampling = None) -> Reply:
+    def send(
+        self,
+        text: str,
+        *,
+        settings: Sampling = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+    ) -> Reply:
         """Send a user message and wait for the whole reply.
 
         ``settings`` (``GenerationSettings`` or a mapping of its fields) sample this turn and
         become the conversation's, stored with the user message in one transaction.
+
+        ``tools`` (OpenAI function tools: ``{"type": "function", "function": {"name",
+        "description", "parameters"}}``) go into the prompt through the model's chat
+        template. A reply that calls them has ``tool_calls`` (and usually no text); its
+        turn stays open until ``submit_tool_results`` sends every call's result.
+        ``tool_choice``: ``"auto"`` (default with tools), ``"none"``, ``"required"`` or
+        ``{"type": "function", "function": {"name": ...}}``; the last two hold the reply to
+        a valid call with a grammar. ``parallel_tool_calls``: one reply may make several.
         """
+        ask = ask_for(
+            text, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
+        )
+        return self._send(ask, settings)
+
+    def submit_tool_results(
+        self,
+        results: Mapping[str, Any],
+        *,
+        settings: Sampling = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+    ) -> Reply:
+        """Continue the open turn with its calls' results (``{call id: output}``, an output
+        that is not a string is sent as JSON) and wait for the next reply: text, or more
+        calls. The results are stored as messages of the turn before the reply is generated.
+
+        ``tools`` default to those this session offered last (give them again after a
+        restart: the open turn itself is read from the store). A result for a call that is
+        not waiting, or a waiting call without one, is a ``ConfigError`` naming it, and
+        nothing is stored.
+        """
+        ask = ask_for(
+            None,
+            results=results,
+            tools=self._tools_or_last(tools),
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+        )
+        return self._send(ask, settings)
+
+    def _send(self, ask: Ask, settings: Sampling) -> Reply:
         replies: list[Reply] = []
-        for _ in self._open_stream(text, replies, _settings_or_none(settings)):
+        for _ in self._open_stream(ask, replies, _settings_or_none(settings)):
             pass
         return _stored(replies)
 
-    def stream(self, text: str, *, settings: Sampling = None) -> Generator[str, None, None]:
+    def _tools_or_last(
+        self, tools: Sequence[Mapping[str, Any]] | None
+    ) -> Sequence[Mapping[str, Any]] | None:
+        return tools if tools is not None else self._last_tools
+
+    def waiting_tool_calls(self) -> list[dict[str, Any]]:
+        """The calls of the open turn still waiting for a result (OpenAI-shaped), read from
+        the store; empty when no turn is open."""
+        turn = open_turn(self.store.last_turn(self.conversation_id))
+        return turn.waiting if turn is not None else []
+
+    def stream(
+        self,
+        text: str,
+        *,
+        settings: Sampling = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+    ) -> Generator[str, None, None]:
         """Send a user message and yield the reply as it is generated.
 
         Raises ``ContextBudgetError`` before storing anything when the prompt cannot fit.
         Time to first token is counted from this call, which waits while every slot of the
-        engine is leased. ``settings``: as for ``send``.
+        engine is leased. ``settings`` and the tool arguments: as for ``send``. With tools,
+        output that may be a call is held back; ``last_reply.tool_calls`` has the calls
+        once the stream ends.
         """
-        return self._open_stream(text, None, _settings_or_none(settings))
+        ask = ask_for(
+            text, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
+        )
+        return self._open_stream(ask, None, _settings_or_none(settings))
 
-    async def asend(self, text: str, *, settings: Sampling = None) -> Reply:
+    def stream_tool_results(
+        self,
+        results: Mapping[str, Any],
+        *,
+        settings: Sampling = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+    ) -> Generator[str, None, None]:
+        """``submit_tool_results``, yielding the reply as it is generated."""
+        ask = ask_for(
+            None,
+            results=results,
+            tools=self._tools_or_last(tools),
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+        )
+        return self._open_stream(ask, None, _settings_or_none(settings))
+
+    async def asend(
+        self,
+        text: str,
+        *,
+        settings: Sampling = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+    ) -> Reply:
         """``send`` for asyncio: the turn runs in a worker thread, batched with the others."""
+        ask = ask_for(
+            text, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
+        )
+        return await self.asend_ask(ask, settings=settings)
+
+    async def asubmit_tool_results(
+        self,
+        results: Mapping[str, Any],
+        *,
+        settings: Sampling = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+    ) -> Reply:
+        """``submit_tool_results`` for asyncio."""
+        ask = ask_for(
+            None,
+            results=results,
+            tools=self._tools_or_last(tools),
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+        )
+        return await self.asend_ask(ask, settings=settings)
+
+    async def asend_ask(self, ask: Ask, *, settings: Sampling = None) -> Reply:
+        """``asend`` of an ``Ask`` made with ``ask_for`` (a user message or tool results)."""
         replies: list[Reply] = []
-        async for _ in self._astream(text, replies, None, _settings_or_none(settings)):
+        async for _ in self._astream(ask, replies, None, _settings_or_none(settings)):
             pass
         return _stored(replies)
 
     def astream(
         self,
-        text: str,
+        text: str | Ask,
         *,
         before: Callable[[], None] | None = None,
         settings: Sampling = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
     ) -> AsyncIterator[str]:
         """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
 
@@ -366,19 +498,30 @@ class ChatSession(Closeable):
         message was not yet); the leaving waits until that is done, even when cancelled.
         ``before`` runs first in the turn's worker thread, before the turn begins (a server
         stores there what its request adds: no thread hop of its own); what it raises is
-        raised here, and the turn is then not started. ``settings``: as for ``send``.
+        raised here, and the turn is then not started. ``settings`` and the tool arguments:
+        as for ``send``; ``text`` may be an ``Ask`` (``ask_for``) with tool results.
         """
-        return self._astream(text, None, before, _settings_or_none(settings))
+        ask = (
+            text
+            if isinstance(text, Ask)
+            else ask_for(
+                text,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+            )
+        )
+        return self._astream(ask, None, before, _settings_or_none(settings))
 
     def _astream(
         self,
-        text: str,
+        ask: Ask,
         replies: list[Reply] | None,
         before: Callable[[], None] | None,
         sampling: GenerationSettings | None,
     ) -> AsyncIterator[str]:
         return stream_in_thread(
-            lambda cut: self._open_stream(text, replies, sampling, cut=cut), self._cut, before
+            lambda cut: self._open_stream(ask, replies, sampling, cut=cut), self._cut, before
         )
 
     def _cut(self, cut: threading.Event) -> None:
@@ -402,6 +545,7 @@ class ChatSession(Closeable):
         lease: Lease,
         *,
         store_reply: bool = True,
+        parsed: ParsedReply | None = None,
     ) -> Reply:
         reply = store_turn(
             self.store,
@@ -414,6 +558,7 @@ class ChatSession(Closeable):
             lease,
             store_reply=store_reply,
             meaning=self._context.meaning,
+            parsed=parsed,
         )
         self.last_reply = reply
         if self.on_turn is not None and reply.turn is not None:
@@ -422,7 +567,7 @@ class ChatSession(Closeable):
 
     def _open_stream(
         self,
-        text: str,
+        ask: Ask,
         replies: list[Reply] | None,
         sampling: GenerationSettings | None = None,
         *,
@@ -431,12 +576,15 @@ class ChatSession(Closeable):
         requested = time.perf_counter()
         turn = self._begin_turn("stream")
         turn.cut = cut
+        turn.ask = ask
+        if ask.tools:
+            self._last_tools = list(ask.tools)
         try:
             self._claim(turn)
             self._lease_slot(turn)
             clock = (requested, time.perf_counter())
             self._turn_under_way.clear()
-            prepared = self._prepare(text, sampling)
+            prepared = self._prepare_ask(turn, ask, sampling)
             context = prepared.context
             # Sampling given with the turn is stored with its user message (one transaction).
             turn.settings = (
@@ -445,7 +593,7 @@ class ChatSession(Closeable):
                 else ConversationSettings(generation=sampling, context=context).to_json()
             )
             stream = self._stream(
-                turn, text, prepared.result, prepared.generation, context.eviction, clock, replies
+                turn, prepared.result, prepared.generation, context.eviction, clock, replies
             )
         except BaseException:
             self._turn_under_way.set()
@@ -587,14 +735,44 @@ class ChatSession(Closeable):
             self.last_reply = stored
         return stored
 
-    def _prepare(self, text: str, sampling: GenerationSettings | None = None) -> _Built:
+    def _prepare_ask(
+        self, turn: TurnInFlight, ask: Ask, sampling: GenerationSettings | None
+    ) -> _Built:
+        """``_prepare`` for a user message or the open turn's tool results (checked against
+        the calls waiting for them: the turn then continues on its stored user message)."""
+        fmt = self.engine.codec().tool_format
+        turn.grammar = call_grammar(ask.by_name, fmt, ask.choice, parallel=ask.parallel)
+        if ask.text is not None:
+            return self._prepare(ask.text, sampling, tools=ask.tools)
+        self._check_open()
+        waiting = open_turn(self.store.last_turn(self.conversation_id))
+        if waiting is None:
+            raise ConfigError("no tool calls are waiting for results in this conversation")
+        waiting.check(ask.results)
+        turn.user = waiting.user
+        rest = [m.to_openai() for m in waiting.rest] + ask.result_messages()
+        return self._prepare(
+            waiting.user.content,
+            sampling,
+            tools=ask.tools,
+            open_turn=(waiting.user.position, rest),
+        )
+
+    def _prepare(
+        self,
+        text: str,
+        sampling: GenerationSettings | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] = (),
+        open_turn: tuple[int, Sequence[Mapping[str, Any]]] | None = None,
+    ) -> _Built:
         """Build the context for ``text`` and persist what the builder decided."""
         self._check_open()
         if not text.strip():
             raise ConfigError("empty message")
         for attempt in range(1, STATE_ATTEMPTS + 1):
             # raises ContextBudgetError before anything is stored
-            prepared = self._context.build(text, sampling)
+            prepared = self._context.build(text, sampling, open_turn=open_turn, tools=tools or None)
             built = self.last_build = prepared.result
             plan = built.plan
             if not (
@@ -635,7 +813,6 @@ class ChatSession(Closeable):
     def _stream(
         self,
         turn: TurnInFlight,
-        text: str,
         built: BuildResult,
         settings: GenerationSettings,
         eviction: str,
@@ -648,9 +825,17 @@ class ChatSession(Closeable):
                 self._check_open()  # closed before the first chunk was asked for
                 _check_cut(turn)  # its reader left before it began: store nothing
                 built_at = time.perf_counter()
-                turn.user = self.last_user = self.store.add_message(
-                    self.conversation_id, "user", text, conversation_settings=turn.settings
-                )
+                ask = turn.ask
+                assert ask is not None
+                if ask.text is not None:
+                    turn.user = self.store.add_message(
+                        self.conversation_id, "user", ask.text, conversation_settings=turn.settings
+                    )
+                else:  # the open turn goes on: its results are stored, its user message was
+                    self.store.add_messages(
+                        self.conversation_id, ask.result_messages(), settings=turn.settings
+                    )
+                self.last_user = turn.user
                 turn.clock = (*leased, built_at, time.perf_counter())
                 turn.plan = built.plan
                 turn.replies = replies
@@ -659,6 +844,10 @@ class ChatSession(Closeable):
                 except BackendUnavailable as exc:
                     lost = exc
             failure: BaseException | None = None
+            assert turn.ask is not None
+            shown = ReplyFilter(
+                self.engine.codec().tool_format, turn.ask.by_name, reading=turn.ask.reads_calls
+            )
             try:
                 while True:
                     try:
@@ -669,12 +858,18 @@ class ChatSession(Closeable):
                         for chunk in turn.stream:
                             turn.yielded = True
                             self._turn_under_way.set()  # the first token is out
-                            yield chunk
+                            if text := shown.feed(chunk):
+                                yield text
                         break
                     except BackendUnavailable as exc:
                         if turn.yielded or turn.failovers >= MAX_FAILOVERS:
                             raise
                         lost = exc
+                parsed, rest = shown.finish()
+                if turn.ask.reads_calls:
+                    turn.parsed = parsed
+                if rest:
+                    yield rest
             except GeneratorExit:  # the reader let go: the reply so far is stored
                 raise
             except BaseException as exc:
@@ -698,6 +893,7 @@ class ChatSession(Closeable):
             settings=settings,
             eviction=eviction,
             history_start=built.plan.history_start,
+            grammar=turn.grammar,
         )
         return stream
 
@@ -752,8 +948,15 @@ class ChatSession(Closeable):
             if stream is None or user is None or stream.result is None:
                 return  # nothing was generated: nothing to store
             assert turn.plan is not None and turn.clock is not None and turn.lease is not None
+            parsed = turn.parsed
+            ask = turn.ask
+            if parsed is None and ask is not None and ask.reads_calls:  # stopped before its end
+                fmt = self.engine.codec().tool_format
+                parsed = parse_tool_calls(stream.result.text, fmt, ask.by_name)
             try:
-                reply = self._store_turn(user, stream.result, turn.plan, turn.clock, turn.lease)
+                reply = self._store_turn(
+                    user, stream.result, turn.plan, turn.clock, turn.lease, parsed=parsed
+                )
             except ChatctxError:
                 if failure is None:
                     raise

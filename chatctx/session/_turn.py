@@ -25,6 +25,8 @@ from chatctx.backends.base import (
 )
 from chatctx.context import ContextPlan, MeaningSearch
 from chatctx.errors import ChatctxError, ClosedError, StoreError
+from chatctx.model.tools import CallGrammar, ParsedReply, ToolCall
+from chatctx.session._tools import Ask
 from chatctx.store import Message, Store, Turn, TurnClaim
 
 logger = logging.getLogger("chatctx.session")  # what a session logs about its turns
@@ -42,6 +44,10 @@ class Reply:
     stop_reason: str
     turn: Turn | None
     plan: ContextPlan | None = None
+    # Calls the reply made (its turn stays open for their results) and, when output that
+    # looked like a call was kept as text, why.
+    tool_calls: tuple[ToolCall, ...] = ()
+    warning: str | None = None
 
 
 @dataclass(eq=False)
@@ -68,6 +74,9 @@ class TurnInFlight:
     # is, and one that has not stored its user message yet stores nothing.
     cut: threading.Event | None = None
     claim: TurnClaim | None = None  # the conversation's turn, claimed in the store
+    ask: Ask | None = None  # what the turn sends: a user message or tool results
+    grammar: CallGrammar | None = None  # a required call's grammar
+    parsed: ParsedReply | None = None  # the reply read for calls, once it is whole
     lock: threading.RLock = field(default_factory=threading.RLock)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -181,11 +190,13 @@ def store_turn(
     *,
     store_reply: bool = True,
     meaning: MeaningSearch | None = None,
+    parsed: ParsedReply | None = None,
 ) -> Reply:
     """Store the reply and the turn's figures in one transaction. ``clock``: perf_counter()
     stamps of the request, of the slot being leased, of the context being built and of the
     user message being stored. ``meaning`` (recall by meaning) embeds the two messages
-    ahead of the searches that follow evictions.
+    ahead of the searches that follow evictions. ``parsed``: the reply read for tool calls
+    (stored as its content and calls, the record counting them); None, the text as it is.
 
     A failure logs the reply's text (nothing the client saw is lost without a trace) and
     raises ``StoreError`` (``ClosedError`` for a closed store) chained to the cause.
@@ -203,12 +214,20 @@ def store_turn(
         cells=cells,
         memory=memory,
     )
+    text = parsed.content if parsed is not None else result.text
+    calls = [call.to_openai() for call in parsed.calls] if parsed is not None else []
+    if parsed is not None:
+        figures["tool_calls"] = len(calls)
+        figures["tool_warning"] = parsed.warning
+    figures["tool_result_tokens"] = plan.tool_result_tokens or None
+    figures["tool_cleared_tokens"] = plan.tool_cleared_tokens or None
     message = None
-    if store_reply and (result.text or complete):
+    if store_reply and (text or calls or complete):
         message = {
             "role": "assistant",
-            "content": result.text,
+            "content": text,
             "status": "complete" if complete else "partial",
+            "tool_calls": calls or None,
         }
     try:
         if store.closed:
@@ -233,7 +252,7 @@ def store_turn(
     if meaning is not None and (plan.window_start > 0 or plan.prompt_tokens >= plan.low_limit):
         meaning.warm_turn([user.content, *([assistant.content] if assistant else [])])
     reply = Reply(
-        text=result.text,
+        text=text,
         user_message_id=user.id,
         message_id=assistant.id if assistant else None,
         usage=result.usage,
@@ -241,6 +260,8 @@ def store_turn(
         stop_reason=result.stop_reason,
         turn=turn,
         plan=plan,
+        tool_calls=parsed.calls if parsed is not None else (),
+        warning=parsed.warning if parsed is not None else None,
     )
     logger.debug(
         "turn %s: prompt %d (new %d, reused %d, evaluated %d), evicted %s, shifted %s, "

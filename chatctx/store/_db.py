@@ -442,6 +442,29 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
             )
             return [_message(row) for row in rows]
 
+    def last_turn(self, conversation_id: str) -> list[Message]:
+        """The messages of the newest turn: its user message and all after it (empty when
+        no user message was stored yet)."""
+        with self._session() as session:
+            if session.get(ConversationRow, conversation_id) is None:
+                raise ConversationNotFound(conversation_id)
+            start = session.scalar(
+                select(func.max(MessageRow.position)).where(
+                    MessageRow.conversation_id == conversation_id, MessageRow.role == "user"
+                )
+            )
+            if start is None:
+                return []
+            rows = session.scalars(
+                select(MessageRow)
+                .where(
+                    MessageRow.conversation_id == conversation_id,
+                    MessageRow.position >= start,
+                )
+                .order_by(MessageRow.position)
+            )
+            return [_message(row) for row in rows]
+
     def messages_by_ids(self, ids: Sequence[int]) -> list[Message]:
         """Messages with these ids, in conversation order."""
         if not ids:

@@ -200,6 +200,11 @@ class TurnRow(Base):
     reprefill_reason: Mapped[str | None] = mapped_column(Text)
     batch_max: Mapped[int | None] = mapped_column(Integer)
     backend: Mapped[str | None] = mapped_column(String(255))  # where several serve: which
+    # an agent's turn: calls the reply made, tool-result tokens the prompt held and cleared
+    tool_calls: Mapped[int | None] = mapped_column(Integer)
+    tool_result_tokens: Mapped[int | None] = mapped_column(Integer)
+    tool_cleared_tokens: Mapped[int | None] = mapped_column(Integer)
+    tool_warning: Mapped[str | None] = mapped_column(Text)  # a call kept as text, and why
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -98,6 +98,10 @@ class Turn:
     reprefill_reason: str | None = None  # why a swapped state was refused (prefilled again)
     batch_max: int | None = None  # most sequences decoded together in one step
     backend: str | None = None  # the backend that ran the turn, where a router spreads them
+    tool_calls: int | None = None  # calls the reply made (an agent's turn)
+    tool_result_tokens: int | None = None  # tool results' tokens in the prompt, whole
+    tool_cleared_tokens: int | None = None  # tokens of old tool results cleared to stubs
+    tool_warning: str | None = None  # output that looked like a call, kept as text: why
 
 
 @dataclass(frozen=True, slots=True)

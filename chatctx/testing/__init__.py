@@ -31,6 +31,25 @@ from chatctx.testing._postgres import create_database as create_database
 from chatctx.testing._postgres import drop_database as drop_database
 from chatctx.testing._postgres import find_postgres_bindir as find_postgres_bindir
 
+# Llama 3.1's prompt format for custom tools (Meta's documentation), as a compact template:
+# the tools as JSON in the system turn, calls as {"name", "parameters"}, results as ipython.
+LLAMA31_TOOLS_TEMPLATE = (
+    "{{- bos_token }}{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{{- 'Environment: ipython\nYou have these functions:\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) + '\n' }}{%- endfor %}{{- '<|eot_id|>' }}"
+    "{%- endif %}{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}"
+    "{{- m['content'] + '<|eot_id|>' }}"
+    "{%- elif m.get('tool_calls') %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{%- for c in m['tool_calls'] %}{{- '{\"name\": \"' + c['function']['name'] + "
+    "'\", \"parameters\": ' + c['function']['arguments'] | tojson + '}' }}{%- endfor %}"
+    "{{- '<|eot_id|>' }}{%- else %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + "
+    "'<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{%- endif %}"
+)
+
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
 VOCAB_MEMBER = "vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf"
 ASSET_FILES = (VOCAB_MEMBER, VOCAB_MEMBER + ".inp", VOCAB_MEMBER + ".out")

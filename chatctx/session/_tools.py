@@ -1,0 +1,129 @@
+"""What an agent's turn sends: a user message or the results of the open turn's tool calls,
+with the tools offered (``Ask``), and the open turn read back from the store.
+
+A reply that calls tools leaves its turn open: the assistant's calls are stored as a
+message of the turn, and the turn goes on when the caller sends every call's result
+(``ChatSession.submit_tool_results``), in this session or, after a restart, in another.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatctx.errors import ConfigError
+from chatctx.model.tools import ToolChoice, check_tool_choice, check_tools
+from chatctx.store import Message
+
+__all__ = ["Ask", "OpenTurn", "ask_for", "open_turn"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A user message (``text``) or tool results (``results``: call id, output), with the
+    function tools offered (OpenAI's shape), ``choice`` (``check_tool_choice``) and whether
+    one reply may make several calls."""
+
+    text: str | None
+    results: tuple[tuple[str, str], ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()
+    by_name: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    choice: ToolChoice = "none"
+    parallel: bool = True
+
+    @property
+    def reads_calls(self) -> bool:
+        """The reply is read for calls (tools offered, ``tool_choice`` not "none")."""
+        return bool(self.by_name) and self.choice != "none"
+
+    def result_messages(self) -> list[dict[str, Any]]:
+        return [
+            {"role": "tool", "tool_call_id": call_id, "content": output}
+            for call_id, output in self.results
+        ]
+
+
+def ask_for(
+    text: str | None,
+    *,
+    results: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+) -> Ask:
+    """An ``Ask`` from the caller's arguments, or ``ConfigError`` naming the bad one."""
+    by_name = check_tools(tools) if tools else {}
+    choice = check_tool_choice(tool_choice, by_name)
+    outputs: list[tuple[str, str]] = []
+    if results is not None:
+        if not isinstance(results, Mapping) or not results:
+            raise ConfigError("tool results must be a non-empty mapping of call id to output")
+        for call_id, output in results.items():
+            if not isinstance(call_id, str):
+                raise ConfigError(f"tool result keys are call ids (str), not {call_id!r}")
+            outputs.append((call_id, _output(call_id, output)))
+    return Ask(
+        text=text,
+        results=tuple(outputs),
+        tools=tuple(dict(t) for t in tools or ()),
+        by_name=by_name,
+        choice=choice,
+        parallel=bool(parallel_tool_calls),
+    )
+
+
+def _output(call_id: str, output: Any) -> str:
+    """A result as the text the model reads: strings as they are, other values as JSON."""
+    if isinstance(output, str):
+        return output
+    try:
+        return json.dumps(output, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"the result of {call_id!r} is neither text nor JSON: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTurn:
+    """A turn whose last reply called tools: its user message, what followed it (the calls
+    and any results already stored) and the calls still waiting for a result."""
+
+    user: Message
+    rest: list[Message]
+    waiting: list[dict[str, Any]]  # OpenAI-shaped calls, in the order the model made them
+
+    def check(self, results: Sequence[tuple[str, str]]) -> None:
+        """Every waiting call answered once, nothing else: or ``ConfigError`` naming it."""
+        waiting = [call["id"] for call in self.waiting]
+        seen: set[str] = set()
+        for call_id, _ in results:
+            if call_id not in waiting:
+                raise ConfigError(
+                    f"tool_call_id {call_id!r} is not a call waiting for its result "
+                    f"(waiting: {', '.join(waiting)})"
+                )
+            if call_id in seen:
+                raise ConfigError(f"tool_call_id {call_id!r} has two results")
+            seen.add(call_id)
+        missing = [call_id for call_id in waiting if call_id not in seen]
+        if missing:
+            raise ConfigError(f"no result for tool call(s) {', '.join(missing)}")
+
+
+def open_turn(last_turn: Sequence[Message]) -> OpenTurn | None:
+    """The newest turn (``Store.last_turn``) when its last reply's calls wait for results."""
+    if not last_turn or last_turn[-1].role not in ("assistant", "tool"):
+        return None
+    calling = max(
+        (i for i, m in enumerate(last_turn) if m.role == "assistant" and m.tool_calls),
+        default=None,
+    )
+    if calling is None or any(m.role == "assistant" for m in last_turn[calling + 1 :]):
+        return None
+    answered = {m.tool_call_id for m in last_turn[calling + 1 :] if m.role == "tool"}
+    calls = last_turn[calling].tool_calls or []
+    waiting = [dict(c) for c in calls if c.get("id") not in answered]
+    if not waiting:
+        return None
+    return OpenTurn(user=last_turn[0], rest=list(last_turn[1:]), waiting=waiting)

@@ -1,0 +1,30 @@
+"""turns: tool calls made, tool-result tokens kept and cleared, a call kept as text
+
+Revision ID: 0014
+Revises: 0013
+Create Date: 2026-12-06
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0014"
+down_revision = "0013"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("turns") as batch:
+        batch.add_column(sa.Column("tool_calls", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("tool_result_tokens", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("tool_cleared_tokens", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("tool_warning", sa.Text(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("turns") as batch:
+        for column in ("tool_warning", "tool_cleared_tokens", "tool_result_tokens", "tool_calls"):
+            batch.drop_column(column)

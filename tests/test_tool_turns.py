@@ -1,0 +1,197 @@
+"""Agent turns in the library: a reply that calls tools, the results sent back, the turn
+going on; on the tiny random-weight Llama 3 with a Llama 3.1-style template (its calls held
+valid by a grammar) and with a template that has no tool support (the generic format).
+
+Oracles: the tools offered and their schemas (a random model writes noise unless the
+grammar holds it), the database rows, and the codec's own rendering of the stored messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chatctx import ChatSession, ConfigError, Engine
+from chatctx.model.tools import GENERIC_INSTRUCTIONS
+from chatctx.testing import LLAMA31_TOOLS_TEMPLATE, write_tiny_llama3
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup_order",
+        "description": "Find a customer's order",
+        "parameters": {
+            "type": "object",
+            "properties": {"order_id": {"type": "string", "maxLength": 8}},
+            "required": ["order_id"],
+        },
+    },
+}
+TICKET = {
+    "type": "function",
+    "function": {
+        "name": "open_ticket",
+        "parameters": {
+            "type": "object",
+            "properties": {"priority": {"enum": [1, 2, 3]}},
+            "required": ["priority"],
+        },
+    },
+}
+TOOLS = [LOOKUP, TICKET]
+SAMPLING = {"max_tokens": 48, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def llama31_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    path = write_tiny_llama3(
+        tmp_path_factory.mktemp("models") / "tiny-llama31.gguf",
+        chat_template=LLAMA31_TOOLS_TEMPLATE,
+    )
+    with Engine.load(path, n_ctx=2048, n_seq_max=2) as engine:
+        yield engine
+
+
+def _valid(call: Any) -> None:
+    """A call the offered schemas allow (the oracle: the schemas, not the parser)."""
+    arguments = json.loads(call.arguments)
+    if call.name == "lookup_order":
+        assert set(arguments) == {"order_id"} and len(arguments["order_id"]) <= 8
+    else:
+        assert call.name == "open_ticket" and arguments["priority"] in (1, 2, 3)
+
+
+def test_a_required_call_then_its_result_continues_the_turn(
+    db_url: str, llama31_engine: Engine
+) -> None:
+    with ChatSession.open(db_url, model=llama31_engine, settings=SAMPLING) as chat:
+        codec = llama31_engine.codec()
+        reply = chat.send("Where is my order?", tools=TOOLS, tool_choice="required")
+        assert reply.tool_calls and reply.warning is None
+        for call in reply.tool_calls:
+            _valid(call)
+        assert reply.turn is not None and reply.turn.tool_calls == len(reply.tool_calls)
+        waiting = chat.waiting_tool_calls()
+        assert [c["id"] for c in waiting] == [c.id for c in reply.tool_calls]
+
+        results = {c.id: {"status": "shipped", "eta": "2 days"} for c in reply.tool_calls}
+        final = chat.submit_tool_results(results)
+        assert chat.waiting_tool_calls() == [] or final.tool_calls
+        history = chat.history()
+        roles = [m.role for m in history]
+        assert roles[:2] == ["user", "assistant"] and roles[2 : 2 + len(results)] == ["tool"] * len(
+            results
+        )
+        assert history[1].tool_calls == [c.to_openai() for c in reply.tool_calls]
+        assert {m.tool_call_id: m.content for m in history if m.role == "tool"} == {
+            k: json.dumps(v) for k, v in results.items()
+        }
+        # The continuation's prompt is the stored turn rendered with the tools (a recompute
+        # by the codec, outside the builder), and its figures are the record's.
+        sent = [m.to_openai() for m in history[: 2 + len(results)]]
+        expected = codec.encode_prompt(codec.render(sent, tools=TOOLS))
+        assert chat.last_build is not None and chat.last_build.tokens == expected
+        turns = chat.store.turns(chat.conversation_id)
+        assert len(turns) == 2 and turns[1].prompt_tokens == len(expected)
+        assert turns[1].user_message_id == history[0].id
+        assert final.usage.prompt_tokens == turns[1].prompt_tokens
+        # The tool result's tokens: the codec's count of that message after an anchor.
+        assert turns[1].tool_result_tokens and turns[1].tool_result_tokens > 0
+        # Its prefix (system with tools, the user message) came from the cache.
+        assert turns[1].reused_tokens >= turns[0].prompt_tokens
+
+
+def test_a_named_function_is_the_one_called_and_a_stream_shows_no_call(
+    db_url: str, llama31_engine: Engine
+) -> None:
+    with ChatSession.open(db_url, model=llama31_engine, settings=SAMPLING) as chat:
+        choice = {"type": "function", "function": {"name": "open_ticket"}}
+        chunks = list(chat.stream("I want a refund", tools=TOOLS, tool_choice=choice))
+        reply = chat.last_reply
+        assert reply is not None and reply.tool_calls
+        assert all(c.name == "open_ticket" for c in reply.tool_calls)
+        for call in reply.tool_calls:
+            _valid(call)
+        assert "".join(chunks) == reply.text == ""  # the call never reached the reader as text
+
+
+def test_results_are_checked_against_the_waiting_calls_and_nothing_is_stored(
+    db_url: str, llama31_engine: Engine
+) -> None:
+    with ChatSession.open(db_url, model=llama31_engine, settings=SAMPLING) as chat:
+        with pytest.raises(ConfigError, match="no tool calls are waiting"):
+            chat.submit_tool_results({"call_x": "42"}, tools=TOOLS)
+        with pytest.raises(ConfigError, match=r"tools\[0\]\.type"):
+            chat.send("hello", tools=[{"type": "code"}])
+        with pytest.raises(ConfigError, match="tool_choice.function.name 'refund'"):
+            chat.send("hello", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "refund"}})
+        assert chat.history() == []
+        reply = chat.send("Where is A-1?", tools=TOOLS, tool_choice="required")
+        stored = len(chat.history())
+        with pytest.raises(ConfigError, match="'call_unknown' is not a call waiting"):
+            chat.submit_tool_results({"call_unknown": "x", **{c.id: "x" for c in reply.tool_calls}})
+        if len(reply.tool_calls) > 1:
+            with pytest.raises(ConfigError, match="no result for tool call"):
+                chat.submit_tool_results({reply.tool_calls[0].id: "x"})
+        with pytest.raises(ConfigError, match="non-empty mapping"):
+            chat.submit_tool_results({})
+        assert len(chat.history()) == stored
+        assert len(chat.store.turns(chat.conversation_id)) == 1
+
+
+def test_a_session_closed_between_calls_and_results_loses_nothing(
+    db_url: str, llama31_engine: Engine
+) -> None:
+    with ChatSession.open(
+        db_url, conversation_id="agent-1", model=llama31_engine, settings=SAMPLING
+    ) as chat:
+        reply = chat.send("Check order B-7", tools=TOOLS, tool_choice="required")
+    assert reply.tool_calls
+    with ChatSession.open(db_url, conversation_id="agent-1", model=llama31_engine) as again:
+        assert [c["id"] for c in again.waiting_tool_calls()] == [c.id for c in reply.tool_calls]
+        final = again.submit_tool_results(
+            {c.id: "not found" for c in reply.tool_calls}, tools=TOOLS, tool_choice="none"
+        )
+        assert final.tool_calls == () and final.message_id is not None
+        history = again.history()
+        assert history[-1].id == final.message_id and history[-1].role == "assistant"
+        assert again.waiting_tool_calls() == []
+
+
+def test_parallel_calls_in_the_generic_format(db_url: str, llama3_engine: Engine) -> None:
+    # The plain Llama 3 template has no tool support: the generic JSON answer, calls in a list.
+    assert llama3_engine.codec().tool_format == "generic"
+    with ChatSession.open(db_url, model=llama3_engine, settings={"max_tokens": 1500, "seed": 1}
+    ) as chat:
+        reply = chat.send("Two things", tools=TOOLS, tool_choice="required")
+        assert reply.tool_calls and reply.warning is None
+        ids = [c.id for c in reply.tool_calls]
+        assert len(set(ids)) == len(ids)
+        for call in reply.tool_calls:
+            _valid(call)
+        chat.submit_tool_results({i: f"result of {i}" for i in ids})
+        assert [m.tool_call_id for m in chat.history() if m.role == "tool"] == ids
+        # The prompt tells the model how to call: the generic instructions and the schemas.
+        assert chat.last_build is not None
+        prompt = llama3_engine.detokenize(chat.last_build.tokens, special=True)
+        assert GENERIC_INSTRUCTIONS in prompt and '"name": "open_ticket"' in prompt
+
+
+def test_tool_choice_none_reads_no_calls(db_url: str, llama31_engine: Engine) -> None:
+    with ChatSession.open(db_url, model=llama31_engine, settings=SAMPLING) as chat:
+        reply = chat.send("hi", tools=TOOLS, tool_choice="none")
+        assert reply.tool_calls == () and reply.turn is not None and reply.turn.tool_calls is None
+        assert chat.history()[-1].content == reply.text
+
+
+def test_tiny_model_paths(tmp_path: Path) -> None:
+    # The Llama 3.1-style template is read as the llama3 call format, the plain one not.
+    from chatctx.model.template import LLAMA3_TEMPLATE
+    from chatctx.model.tools import tool_format
+
+    assert tool_format(LLAMA31_TOOLS_TEMPLATE) == "llama3"
+    assert tool_format(LLAMA3_TEMPLATE) == "generic"
