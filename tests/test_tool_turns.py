@@ -127,8 +127,9 @@ def test_results_are_checked_against_the_waiting_calls_and_nothing_is_stored(
             chat.submit_tool_results({"call_x": "42"}, tools=TOOLS)
         with pytest.raises(ConfigError, match=r"tools\[0\]\.type"):
             chat.send("hello", tools=[{"type": "code"}])
-        with pytest.raises(ConfigError, match="tool_choice.function.name 'refund'"):
-            chat.send("hello", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "refund"}})
+        refund = {"type": "function", "function": {"name": "refund"}}
+        with pytest.raises(ConfigError, match=r"tool_choice\.function\.name 'refund'"):
+            chat.send("hello", tools=TOOLS, tool_choice=refund)
         assert chat.history() == []
         reply = chat.send("Where is A-1?", tools=TOOLS, tool_choice="required")
         stored = len(chat.history())
@@ -165,7 +166,8 @@ def test_a_session_closed_between_calls_and_results_loses_nothing(
 def test_parallel_calls_in_the_generic_format(db_url: str, llama3_engine: Engine) -> None:
     # The plain Llama 3 template has no tool support: the generic JSON answer, calls in a list.
     assert llama3_engine.codec().tool_format == "generic"
-    with ChatSession.open(db_url, model=llama3_engine, settings={"max_tokens": 1500, "seed": 1}
+    with ChatSession.open(
+        db_url, model=llama3_engine, settings={"max_tokens": 1500, "seed": 1}
     ) as chat:
         reply = chat.send("Two things", tools=TOOLS, tool_choice="required")
         assert reply.tool_calls and reply.warning is None

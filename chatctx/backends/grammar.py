@@ -11,7 +11,7 @@ from chatctx.model.tools import CallGrammar
 __all__ = ["gbnf"]
 
 _ROOT = re.compile(r"^root ::=", re.MULTILINE)
-_SPACE = re.compile(r'^space ::= .*$', re.MULTILINE)
+_SPACE = re.compile(r"^space ::= .*$", re.MULTILINE)
 # The converter's separators, as literals between rule elements (never inside a string's).
 _SEPARATOR = re.compile(r'(?<=[\s(])"([,:])"(?=[\s)])')
 _CALL_RULE = "chatctx-call"  # the converter names rules after properties: no clash with it

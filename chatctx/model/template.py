@@ -94,7 +94,7 @@ def _arguments_as_objects(message: Mapping[str, Any]) -> Mapping[str, Any]:
     for call in calls:
         function = call.get("function") if isinstance(call, Mapping) else None
         arguments = function.get("arguments") if isinstance(function, Mapping) else None
-        if isinstance(arguments, str):
+        if isinstance(function, Mapping) and isinstance(arguments, str):
             try:
                 value = json.loads(arguments, strict=False)
             except ValueError:
