@@ -46,7 +46,12 @@ class ChatctxError(Exception):
 
 
 class ConfigError(ChatctxError):
-    """A setting is missing or invalid."""
+    """A setting is missing or invalid; ``field`` names it where it is one of a request's
+    (``tools[0].function.name``), for a server's answer."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class StoreError(ChatctxError):

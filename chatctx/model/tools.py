@@ -94,32 +94,43 @@ def check_tools(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, An
     (``tools[i].function.name`` …): OpenAI's shape, ``{"type": "function", "function":
     {"name", "description"?, "parameters"?}}``, names unique."""
     if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
-        raise ConfigError("tools must be a list of function tools")
+        raise ConfigError("tools must be a list of function tools", field="tools")
     by_name: dict[str, Mapping[str, Any]] = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, Mapping):
-            raise ConfigError(f"{where} must be an object")
+            raise ConfigError(f"{where} must be an object", field=where)
         if tool.get("type") != "function":
-            raise ConfigError(f"{where}.type must be 'function', not {tool.get('type')!r}")
+            raise ConfigError(
+                f"{where}.type must be 'function', not {tool.get('type')!r}", field=f"{where}.type"
+            )
         function = tool.get("function")
         if not isinstance(function, Mapping):
-            raise ConfigError(f"{where}.function must be an object")
+            raise ConfigError(f"{where}.function must be an object", field=f"{where}.function")
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(
-                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', not {name!r}"
+                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', not {name!r}",
+                field=f"{where}.function.name",
             )
         if name in by_name:
-            raise ConfigError(f"{where}.function.name {name!r} is offered twice")
+            raise ConfigError(
+                f"{where}.function.name {name!r} is offered twice", field=f"{where}.function.name"
+            )
         description = function.get("description")
         if description is not None and not isinstance(description, str):
-            raise ConfigError(f"{where}.function.description must be a string")
+            raise ConfigError(
+                f"{where}.function.description must be a string",
+                field=f"{where}.function.description",
+            )
         parameters = function.get("parameters")
         if parameters is not None and (
             not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object"
         ):
-            raise ConfigError(f"{where}.function.parameters must be a JSON schema of an object")
+            raise ConfigError(
+                f"{where}.function.parameters must be a JSON schema of an object",
+                field=f"{where}.function.parameters",
+            )
         by_name[name] = function
     return by_name
 
@@ -414,20 +425,29 @@ def check_tool_choice(choice: Any, tools: Mapping[str, Any]) -> ToolChoice:
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
             raise ConfigError(
-                f"tool_choice must be 'auto', 'none', 'required' or a function, not {choice!r}"
+                f"tool_choice must be 'auto', 'none', 'required' or a function, not {choice!r}",
+                field="tool_choice",
             )
         if choice == "required" and not tools:
-            raise ConfigError("tool_choice 'required' needs tools")
+            raise ConfigError("tool_choice 'required' needs tools", field="tool_choice")
         return choice
     if isinstance(choice, Mapping) and choice.get("type") == "function":
         function = choice.get("function")
         name = function.get("name") if isinstance(function, Mapping) else None
         if not isinstance(name, str):
-            raise ConfigError("tool_choice.function.name must be a string")
+            raise ConfigError(
+                "tool_choice.function.name must be a string", field="tool_choice.function.name"
+            )
         if name not in tools:
-            raise ConfigError(f"tool_choice.function.name {name!r} is not in tools")
+            raise ConfigError(
+                f"tool_choice.function.name {name!r} is not in tools",
+                field="tool_choice.function.name",
+            )
         return name
-    raise ConfigError("tool_choice must be a string or {'type': 'function', 'function': {...}}")
+    raise ConfigError(
+        "tool_choice must be a string or {'type': 'function', 'function': {...}}",
+        field="tool_choice",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from chatctx._json import json_line
-from chatctx.errors import ChatctxError, ConversationNotFound
+from chatctx.errors import ChatctxError, ConfigError, ConversationNotFound
 from chatctx.serve._errors import APIError, error_body, from_chatctx, stored_already
 from chatctx.serve._schemas import (
     ChatCompletionRequest,
@@ -42,6 +42,7 @@ from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateles
 from chatctx.serve._tenants import Tenant
 from chatctx.serve._turn import Cut, TurnRun
 from chatctx.session import ChatSession
+from chatctx.session._tools import ask_for, open_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.store import Store
 
@@ -57,7 +58,11 @@ class _Plan:
 
     system_prompt: str | None
     earlier: list[dict[str, Any]]  # appended before the turn
-    text: str  # the turn's user message
+    text: str | None  # the turn's user message; None when it sends tool results
+    # Tool results that continue the open turn: (message index, call id, output).
+    results: list[tuple[int, str, str]] = field(default_factory=list)
+    # The calls the request's own messages leave waiting (stateless: its whole history).
+    calls: list[str] | None = None
 
 
 def _split(request: ChatCompletionRequest, max_chars: int) -> _Plan:
@@ -84,10 +89,13 @@ def _split(request: ChatCompletionRequest, max_chars: int) -> _Plan:
                 param=f"messages[{i}].content",
                 code="string_above_max_length",
             )
+    system_prompt = "\n\n".join(systems) if systems else None
+    if rest and rest[-1].role == "tool":
+        return _results_plan(messages, rest, system_prompt)
     if not rest or rest[-1].role != "user":
         raise APIError(
             400,
-            "the last message must be the user's",
+            "the last message must be the user's, or tool results",
             param="messages",
             code="invalid_value",
         )
@@ -95,12 +103,81 @@ def _split(request: ChatCompletionRequest, max_chars: int) -> _Plan:
         raise APIError(
             400, "the last message is empty", param=f"messages[{len(messages) - 1}].content"
         )
-    earlier = [{"role": m.role, "content": m.text(), "name": m.name} for m in rest[:-1]]
     return _Plan(
-        system_prompt="\n\n".join(systems) if systems else None,
-        earlier=earlier,
+        system_prompt=system_prompt,
+        earlier=[m.stored() for m in rest[:-1]],
         text=rest[-1].text(),
     )
+
+
+def _results_plan(
+    messages: list[ChatMessage], rest: list[ChatMessage], system_prompt: str | None
+) -> _Plan:
+    """A request ending in tool messages: the results of the calls its turn waits for."""
+    first = len(rest)
+    while first > 0 and rest[first - 1].role == "tool":
+        first -= 1
+    offset = len(messages) - len(rest)
+    results = []
+    for i in range(first, len(rest)):
+        call_id = rest[i].tool_call_id
+        if call_id is None:
+            raise APIError(
+                400,
+                "a tool message needs the tool_call_id of the call it answers",
+                param=f"messages[{offset + i}].tool_call_id",
+                code="invalid_value",
+            )
+        results.append((offset + i, call_id, rest[i].text()))
+    prior = rest[:first]
+    calls = None
+    if prior:  # the call message is in the request: the results must answer it
+        if prior[-1].role != "assistant" or not prior[-1].tool_calls:
+            raise APIError(
+                400,
+                "tool messages must follow the assistant message whose calls they answer",
+                param=f"messages[{offset + first}].role",
+                code="invalid_value",
+            )
+        calls = [call.id for call in prior[-1].tool_calls]
+    return _Plan(
+        system_prompt=system_prompt,
+        earlier=[m.stored() for m in prior],
+        text=None,
+        results=results,
+        calls=calls,
+    )
+
+
+def _check_results(plan: _Plan, waiting: list[str] | None) -> None:
+    """Every call ``waiting`` answered once by the plan's results, nothing else; or a 400
+    naming the message."""
+    if waiting is None:
+        raise APIError(
+            400,
+            "no tool calls are waiting for results in this conversation",
+            param=f"messages[{plan.results[0][0]}]",
+            code="invalid_value",
+        )
+    seen: set[str] = set()
+    for index, call_id, _ in plan.results:
+        if call_id not in waiting or call_id in seen:
+            why = "answered twice" if call_id in seen else "not a call waiting for its result"
+            raise APIError(
+                400,
+                f"tool_call_id {call_id!r} is {why}",
+                param=f"messages[{index}].tool_call_id",
+                code="invalid_value",
+            )
+        seen.add(call_id)
+    missing = [call_id for call_id in waiting if call_id not in seen]
+    if missing:
+        raise APIError(
+            400,
+            f"no result for tool call(s) {', '.join(missing)}",
+            param="messages",
+            code="invalid_value",
+        )
 
 
 def _generation(request: ChatCompletionRequest) -> GenerationSettings:
@@ -149,11 +226,23 @@ def _apply(
     merged = ConversationSettings(generation=generation, context=stored.context)
     session.budget(merged)  # a reply limit that leaves no room for a prompt: ConfigError now
     system_prompt = plan.system_prompt
-    # A message too long for any prompt: ContextBudgetError now, before anything is written.
-    session.check_fits(plan.text, merged, system_prompt=system_prompt or conversation.system_prompt)
+    if plan.text is not None:
+        # A message too long for any prompt: ContextBudgetError now, before anything is written.
+        session.check_fits(
+            plan.text, merged, system_prompt=system_prompt or conversation.system_prompt
+        )
+    earlier = _unstored(store, cid, plan.earlier, conversation.message_count)
+    if plan.results:
+        # The calls answered: those of the request's own call message when it brings one
+        # not stored yet (stateless, or a new one), else the stored turn's.
+        if earlier:
+            waiting = plan.calls
+        else:
+            turn = open_turn(store.last_turn(cid))
+            waiting = [c["id"] for c in turn.waiting] if turn is not None else None
+        _check_results(plan, waiting)
     if not new and system_prompt is not None and system_prompt != conversation.system_prompt:
         store.update_conversation(cid, system_prompt=system_prompt)
-    earlier = _unstored(store, cid, plan.earlier, conversation.message_count)
     if earlier:
         store.add_messages(cid, earlier)
 
@@ -216,6 +305,12 @@ class _Turn:
                     except Exception as exc:
                         logger.warning("cleanup after a turn failed: %s", exc)
                 self._account()
+
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        reply = self.run.reply
+        if reply is None or not reply.tool_calls:
+            return None
+        return [call.to_openai() for call in reply.tool_calls]
 
     def usage(self) -> dict[str, Any] | None:
         reply = self.run.reply
@@ -321,6 +416,16 @@ async def _open_turn(
         )
     plan = _split(request, limits.max_message_chars)
     generation = _generation(request)
+    try:
+        ask = ask_for(
+            plan.text,
+            results={call_id: output for _, call_id, output in plan.results} or None,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+        )
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param=exc.field, code="invalid_value") from exc
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.request_timeout_s
     cleanup: list[Callable[[], Awaitable[None]]] = []
@@ -385,7 +490,7 @@ async def _open_turn(
     stops = request.stop_list()
     run = TurnRun(
         session,
-        plan.text,
+        ask,
         stops=stops,
         deadline=deadline,
         cancel=cancel,
@@ -455,6 +560,7 @@ async def chat_completion(
             usage=turn.usage(),
             chatctx=turn.extension(),
             created=turn.created,
+            tool_calls=turn.tool_calls(),
         )
     )
 
@@ -487,7 +593,11 @@ async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:
             return
         await turn.close()
         # The last events in one write: the same bytes, one trip through the ASGI stack.
-        last = chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
+        calls = turn.tool_calls()
+        last = b""
+        if calls:  # whole, one delta: what the official client's helpers assemble
+            last = chunk(delta={"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+        last += chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
         options = turn.request.stream_options
         if options is not None and options.include_usage:
             last += chunk(usage=turn.usage())

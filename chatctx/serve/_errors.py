@@ -107,7 +107,7 @@ def from_chatctx(exc: ChatctxError, *, retry_after: int = 1) -> APIError:
             code="context_length_exceeded",
         )
     if isinstance(exc, ConfigError):
-        return APIError(400, str(exc), code="invalid_value")
+        return APIError(400, str(exc), param=exc.field, code="invalid_value")
     unavailable = (ClosedError, ModelError, KVCacheError, StoreError, BackendUnavailable)
     if isinstance(exc, unavailable):
         logger.warning("answered 503: %s: %s", type(exc).__name__, exc)

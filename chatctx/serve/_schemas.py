@@ -1,7 +1,7 @@
 """OpenAI's chat completion shapes, as far as chatctx serves them.
 
 Requests are validated strictly: an unknown field is a 400 (``unknown_parameter``), a known
-OpenAI field chatctx cannot honour (tools, logprobs, ``n`` > 1 ...) a 400
+OpenAI field chatctx cannot honour (logprobs, ``n`` > 1 ...) a 400
 (``unsupported_parameter``), unless it is given its no-op value.
 """
 
@@ -26,9 +26,6 @@ _NO_OP: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -69,12 +66,37 @@ def _check_storable(text: str, what: str) -> None:
         ) from None
 
 
-class ChatMessage(_Strict):
-    """One message of a request (``developer`` is taken as ``system``)."""
+class FunctionCall(_Strict):
+    name: str = Field(max_length=64)
+    arguments: str
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCallIn(_Strict):
+    """A call an earlier assistant message made (OpenAI's shape)."""
+
+    id: str = Field(min_length=1, max_length=200)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    """One message of a request (``developer`` is taken as ``system``); ``tool`` messages
+    carry the result of the call ``tool_call_id`` names."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(None, min_length=1, max_length=200)
+
+    def stored(self) -> dict[str, Any]:
+        """The message as the store keeps it."""
+        out: dict[str, Any] = {"role": self.stored_role, "content": self.text(), "name": self.name}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -240,8 +262,13 @@ def completion(
     usage: dict[str, Any] | None,
     chatctx: dict[str, Any],
     created: int | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A ``chat.completion`` object (``chatctx``: what the server did, an extension)."""
+    """A ``chat.completion`` object (``chatctx``: what the server did, an extension); a
+    reply that calls tools has ``tool_calls`` (and no content unless the model wrote some)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return {
         "id": id,
         "object": "chat.completion",
@@ -250,7 +277,7 @@ def completion(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from chatctx.session import ChatSession, Reply
+from chatctx.session._tools import Ask
 from chatctx.settings import GenerationSettings
 
 logger = logging.getLogger("chatctx.serve")
@@ -69,7 +70,7 @@ class TurnRun:
     def __init__(
         self,
         session: ChatSession,
-        text: str,
+        text: str | Ask,
         *,
         stops: list[str],
         deadline: float,
@@ -215,6 +216,8 @@ class TurnRun:
             return "stop"
         if self.cut is not None or self.reply is None:
             return "length"
+        if self.reply.tool_calls:
+            return "tool_calls"
         return "stop" if self.reply.stop_reason == "eog" else "length"
 
     @property

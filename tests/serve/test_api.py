@@ -42,8 +42,29 @@ def assert_error(
         ({"messages": [user("hi")], "temprature": 1}, "unknown_parameter", "temprature"),
         (
             {"messages": [user("hi")], "tools": [{"type": "function"}]},
-            "unsupported_parameter",
-            "tools",
+            "invalid_value",
+            "tools[0].function",
+        ),
+        (
+            {"messages": [user("hi")], "tools": [], "tool_choice": "required"},
+            "invalid_value",
+            "tool_choice",
+        ),
+        (
+            {"messages": [user("hi"), {"role": "tool", "content": "42"}]},
+            "invalid_value",
+            "messages[1].tool_call_id",
+        ),
+        (
+            {
+                "messages": [
+                    user("hi"),
+                    {"role": "assistant", "content": "no calls"},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                ]
+            },
+            "invalid_value",
+            "messages[2].role",
         ),
         ({"messages": [user("hi")], "n": 2}, "unsupported_parameter", "n"),
         ({"messages": [user("hi")], "logprobs": True}, "unsupported_parameter", "logprobs"),
