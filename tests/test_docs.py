@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -85,3 +86,37 @@ def test_the_readme_support_bot_runs(tiny_llama3_path: Path, tmp_path: Path) -> 
     finally:
         scope["store"].close()  # type: ignore[attr-defined]
         scope["engine"].close()  # type: ignore[attr-defined]
+
+
+def test_the_readme_agent_runs_its_tool(tmp_path: Path) -> None:
+    from chatctx.testing import LLAMA31_TOOLS_TEMPLATE, write_tiny_llama3
+
+    model = write_tiny_llama3(tmp_path / "tiny-llama31.gguf", chat_template=LLAMA31_TOOLS_TEMPLATE)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    agent = next(s for s in re.findall(r"```python\n(.*?)```", readme, re.S) if "run_tools" in s)
+    db = f"sqlite:///{tmp_path / 'bot.db'}"
+    # A random-weight model calls only when it must: the first reply is held to a call.
+    code = (
+        agent.replace('"model.gguf"', repr(str(model)))
+        .replace('"sqlite:///bot.db"', repr(db))
+        .replace("tools=[LOOKUP])", 'tools=[LOOKUP], tool_choice="required")')
+    )
+    scope: dict[str, object] = {"print": lambda *args: None}
+    exec(compile(code, "README.md", "exec"), scope)  # defines and runs it
+    scope["engine"].close()  # type: ignore[attr-defined]
+    from chatctx.store import Store
+
+    with Store(db) as store:
+        history = store.messages("cust-7")
+    roles = [m.role for m in history]
+    assert roles[:3] == ["user", "assistant", "tool"] and roles[-1] == "assistant"
+    call = history[1].tool_calls[0]  # type: ignore[index]
+    assert call["function"]["name"] == "lookup_order"
+    # The result stored is what the function returns for the model's arguments.
+    arguments = json.loads(call["function"]["arguments"])
+    if "order_id" in arguments:  # the schema does not require it: a random model may omit it
+        orders = {"A-1": {"status": "shipped", "eta": "Tuesday"}}
+        expected = orders.get(arguments["order_id"], {"error": "no such order"})
+        assert json.loads(history[2].content) == expected
+    else:
+        assert history[2].content.startswith("error: TypeError")

@@ -16,6 +16,7 @@ The session owns its state and works with collaborators: a ``ConversationContext
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -49,7 +50,13 @@ from chatctx.errors import (
     ContextStateConflict,
     DeadlineExceeded,
 )
-from chatctx.model.tools import ParsedReply, ReplyFilter, call_grammar, parse_tool_calls
+from chatctx.model.tools import (
+    ParsedReply,
+    ReplyFilter,
+    ToolCall,
+    call_grammar,
+    parse_tool_calls,
+)
 from chatctx.session._async import stream_in_thread
 from chatctx.session._context import ConversationContext, _Built, open_conversation
 from chatctx.session._tools import Ask, ask_for, open_turn
@@ -381,6 +388,38 @@ class ChatSession(Closeable):
             parallel_tool_calls=parallel_tool_calls,
         )
         return self._send(ask, settings)
+
+    def run_tools(
+        self,
+        text: str,
+        functions: Mapping[str, Callable[..., Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]],
+        tool_choice: Any = None,
+        max_steps: int = 4,
+        settings: Sampling = None,
+    ) -> Reply:
+        """Send ``text`` and run the calls the replies make with ``functions`` (by name,
+        called with the arguments as keywords) until a reply is text: the loop most bots
+        write around ``send`` and ``submit_tool_results``. After ``max_steps`` rounds of
+        calls the last results go back with ``tool_choice="none"``, so the turn ends in
+        text. A function that raises, or a call of one not given, sends the error back as
+        the result (the model can say so or try again); it is logged.
+        """
+        if max_steps < 1:
+            raise ConfigError("max_steps must be at least 1")
+        reply = self.send(text, settings=settings, tools=tools, tool_choice=tool_choice)
+        for step in range(max_steps):
+            if not reply.tool_calls:
+                return reply
+            results = {call.id: _call_function(functions, call) for call in reply.tool_calls}
+            reply = self.submit_tool_results(
+                results,
+                settings=settings,
+                tools=tools,
+                tool_choice="none" if step == max_steps - 1 else "auto",
+            )
+        return reply
 
     def _send(self, ask: Ask, settings: Sampling) -> Reply:
         replies: list[Reply] = []
@@ -964,6 +1003,18 @@ class ChatSession(Closeable):
                 return
             if turn.replies is not None:
                 turn.replies.append(reply)
+
+
+def _call_function(functions: Mapping[str, Callable[..., Any]], call: ToolCall) -> Any:
+    """What a call returns, or the error it met as text (sent back as its result)."""
+    function = functions.get(call.name)
+    if function is None:
+        return f"error: no function {call.name!r} here"
+    try:
+        return function(**json.loads(call.arguments))
+    except Exception as exc:
+        logger.warning("tool %s failed: %s: %s", call.name, type(exc).__name__, exc)
+        return f"error: {type(exc).__name__}: {exc}"
 
 
 def _load_engine(model: str | Path | None, options: Mapping[str, Any]) -> Backend:
