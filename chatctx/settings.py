@@ -94,6 +94,20 @@ class ContextSettings(_Model):
         description="Cut a single message that cannot fit in the middle (with a marker) "
         "instead of raising ContextBudgetError.",
     )
+    tool_results_keep: int | None = Field(
+        2,
+        ge=0,
+        description="When a prompt goes over `high` (policy watermarks), old tool results are "
+        "cleared before whole turns are evicted: the call stays, the result is sent as a stub "
+        "naming the tool, the call id and its size (the store keeps it whole, and recall can "
+        "bring it back). This many of the newest results stay whole; None: never cleared.",
+    )
+    tool_result_clear_min: int = Field(
+        64,
+        ge=1,
+        description="Tool results shorter than this many tokens are never cleared (a stub "
+        "would save little).",
+    )
     recall: bool = Field(
         True,
         description="Search the evicted history for what matches the new message (by meaning "

@@ -197,3 +197,66 @@ def test_tiny_model_paths(tmp_path: Path) -> None:
 
     assert tool_format(LLAMA31_TOOLS_TEMPLATE) == "llama3"
     assert tool_format(LLAMA3_TEMPLATE) == "generic"
+
+
+# -- old tool results cleared before whole turns are evicted ----------------------------------
+
+
+def _result(n: int) -> str:
+    """A bulky tool result whose one fact (its parcel code) no other result has."""
+    lines = [f"line {k}: scanned at depot {k * 7 + n}, status in transit" for k in range(10)]
+    return json.dumps({"order": f"A-{n}", "parcel_code": f"PX{n}Q{n * 37}Z", "events": lines})
+
+
+def test_old_tool_results_are_cleared_in_place_and_recalled(
+    db_url: str, llama31_engine: Engine
+) -> None:
+    from tests.llama_counters import counted, prime_counters
+
+    prime_counters(llama31_engine, 0)
+    counts = [counted(llama31_engine)]
+    context = {
+        "budget": 1100,
+        "tool_results_keep": 1,
+        "recall_search": "words",
+        "recall_trigger": "always",
+    }
+    with ChatSession.open(
+        db_url,
+        model=llama31_engine,
+        settings=SAMPLING,
+        context=context,
+        seq_id=0,
+        on_turn=lambda _turn: counts.append(counted(llama31_engine)),
+    ) as chat:
+        replies = []
+        for n in range(1, 9):
+            call = chat.send(f"Where is order A-{n}?", tools=TOOLS, tool_choice="required")
+            assert call.tool_calls
+            replies.append(call)
+            results = {c.id: _result(n) for c in call.tool_calls}
+            replies.append(chat.submit_tool_results(results, tool_choice="none"))
+            if any(r.plan and r.plan.cleared_ids for r in replies):
+                break
+        clearing = next(r for r in replies if r.plan and r.plan.cleared_ids)
+        assert clearing.plan is not None and not clearing.plan.evicted  # cleared, not evicted
+        first_cleared = clearing.plan.cleared_ids[0]
+        stored = {m.id: m for m in chat.history()}
+        assert stored[first_cleared].role == "tool"  # the store keeps the result whole
+        assert "parcel_code" in stored[first_cleared].content
+        # llama.cpp's own counter: what the clearing turn evaluated is what it reports, and
+        # far less than what follows the cleared result (the rest was moved, not prefilled).
+        index = replies.index(clearing)
+        evaluated = counts[index + 1] - counts[index] - (clearing.usage.generated_tokens - 1)
+        assert clearing.usage.evaluated_tokens == evaluated
+        turn = clearing.turn
+        assert turn is not None and turn.tool_cleared_tokens and turn.tool_cleared_tokens > 0
+        assert evaluated < turn.tool_cleared_tokens
+        # A cleared fact asked back is recalled from the store.
+        code = json.loads(stored[first_cleared].content)["parcel_code"]
+        chat.send(f"What was the parcel code {code[:3]} of that first order?", tools=TOOLS)
+        assert chat.last_build is not None
+        assert first_cleared in chat.last_build.plan.recalled_ids
+        prompt = llama31_engine.detokenize(chat.last_build.tokens, special=True)
+        assert code in prompt and "cleared to save room" in prompt
+        assert stored[first_cleared].content not in prompt  # the line that matched, only

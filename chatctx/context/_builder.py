@@ -72,6 +72,8 @@ class ContextState:
     summary_blocks: tuple[Block, ...] = ()
     # The abridge layout: what of each evicted message is sent in its place (see ``_abridge``).
     abridged: tuple[Cut, ...] = ()
+    # Tool results in the window sent as a stub: cleared to save room, for good.
+    cleared_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -115,6 +117,7 @@ class ContextPlan:
     history_start: int = 0
     tool_result_tokens: int = 0  # tool results sent whole (kept turns and the open one)
     tool_cleared_tokens: int = 0  # what the results cleared to stubs held
+    cleared_ids: list[int] = field(default_factory=list)  # tool results cleared this turn
 
     def drop(self, ids: Sequence[int], reason: str) -> None:
         """List messages that no summary will cover, and why."""
@@ -289,6 +292,8 @@ class ContextBuilder:
         head += [m.to_openai() for m in pinned]
         window = [m for m in history if m.position >= state.window_start and m.id not in pinned_ids]
         turns = group_turns(window)
+        cleared = set(state.cleared_ids)  # tool results sent as a stub
+        names = _call_names([*(m.to_openai() for m in window), *open_turn])
         new = [{"role": "user", "content": new_message}, *map(dict, open_turn)]
 
         def count(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -316,7 +321,7 @@ class ContextBuilder:
                     while parts and parts[0][0] < m.position:
                         out.append({"role": "system", "content": parts.pop(0)[1]})
                         kinds.append("summary")
-                    out.append(m.to_openai())
+                    out.append(self._stub(m, names) if m.id in cleared else m.to_openai())
                     kinds.append("history")
             for _, content in parts:
                 out.append({"role": "system", "content": content})
@@ -362,6 +367,16 @@ class ContextBuilder:
             )
             total = count(assemble(summary, turns, new))
             plan.prompt_tokens = total
+        if total > high_limit and not trim:
+            # Old tool results go first, in place: the call stays, the result becomes a stub.
+            newly = self._clear(turns, open_turn, cleared, names, total - low_limit)
+            if newly:
+                plan.cleared_ids = newly
+                plan.reason = f"prompt {total} tokens > high watermark {high_limit}: " + (
+                    f"{len(newly)} old tool result(s) cleared"
+                )
+                total = count(assemble(summary, turns, new))
+                plan.prompt_tokens = total
         evicted: list[Message] = []
         # A turn that asks back is owed its recall room: when the prompt leaves less than
         # recall_budget under the budget, the eviction the watermarks would make a few turns
@@ -385,7 +400,7 @@ class ContextBuilder:
                 if not trim
                 else f"prompt {total} tokens > budget {budget}"
             )
-            flat = self.message_tokens([m for turn in turns for m in turn])
+            flat = self._window_tokens([m for turn in turns for m in turn], cleared, names)
             costs, offset = [], 0
             for turn in turns:
                 costs.append(sum(flat[offset : offset + len(turn)]))
@@ -435,6 +450,7 @@ class ContextBuilder:
             new_message,
             window_start,
             pinned_ids,
+            cleared,
             end=history[-1].position + 1 if history else window_start,
             room=room,
             said=lambda: [str(m.get("content") or "") for m in assemble(sent_summary, turns, new)],
@@ -457,9 +473,13 @@ class ContextBuilder:
         plan.kept_ids = [m.id for turn in turns for m in turn]
         plan.sections, plan.history_start = self._sections(kinds, messages, total, reserve, tools)
         plan.new_tokens = self._new_tokens(history, plan, open_turn)
-        plan.tool_result_tokens = sum(
-            self.message_tokens([m for turn in turns for m in turn if m.role == "tool"])
-        ) + sum(self._delta(m) for m in open_turn if m.get("role") == "tool")
+        results = [m for turn in turns for m in turn if m.role == "tool"]
+        for m, n in zip(results, self.message_tokens(results), strict=True):
+            if m.id in cleared:
+                plan.tool_cleared_tokens += n
+            else:
+                plan.tool_result_tokens += n
+        plan.tool_result_tokens += sum(self._delta(m) for m in open_turn if m.get("role") == "tool")
         plan.prompt_hash = hashlib.sha256(
             b"".join(t.to_bytes(4, "little") for t in tokens)
         ).hexdigest()[:16]
@@ -478,6 +498,7 @@ class ContextBuilder:
             pending_ids=tuple(pending),
             summary_blocks=blocks if summary else (),
             abridged=abridged if summary else (),
+            cleared_ids=tuple(sorted(cleared.intersection(plan.kept_ids))),
         )
         return BuildResult(
             plan=plan,
@@ -535,6 +556,7 @@ class ContextBuilder:
         query: str,
         window_start: int,
         pinned_ids: set[int],
+        cleared: set[int],
         *,
         end: int,
         room: int,
@@ -543,10 +565,11 @@ class ContextBuilder:
         """What to recall for this prompt: (message, text sent, score), best first. ``end``:
         the position after the last stored message (the kept ones, from ``window_start``, are
         searched too). ``said`` gives the rest of the prompt's texts, the new message last: a
-        sentence they hold is not recalled again."""
+        sentence they hold is not recalled again. ``cleared`` tool results are searched as
+        the evicted messages are: the prompt holds only their stubs."""
         s, search = self.settings, self.recall
         mode = self._recalls(query)
-        if search is None or window_start <= 0 or mode is None:
+        if search is None or (window_start <= 0 and not cleared) or mode is None:
             return []
         t0 = self._clock()
         try:
@@ -573,10 +596,14 @@ class ContextBuilder:
         # The best match kept in the prompt: it holds what the question is most likely about,
         # and the evicted matches are a hedge (their closest sentences, as below).
         whole = mode == "full"
-        if hits and hits[0].message.position >= window_start:
+
+        def out_of_prompt(message: Message) -> bool:
+            return message.position < window_start or message.id in cleared
+
+        if hits and not out_of_prompt(hits[0].message):
             plan.recall_answered = hits[0].message.id
             whole = False
-        hits = [h for h in hits if h.message.position < window_start][: s.recall_k]
+        hits = [h for h in hits if out_of_prompt(h.message)][: s.recall_k]
         if hits:
             *rest, asked = said()
             known = known_text(rest, asked)
@@ -599,6 +626,57 @@ class ContextBuilder:
             plan.yielded.insert(0, "recall")  # recall gives way first
         plan.recall_ms = (self._clock() - t0) * 1000
         return chosen
+
+    # clearing old tool results ------------------------------------------------------------
+
+    def _stub(self, message: Message, names: Mapping[str, str]) -> dict[str, Any]:
+        """What a cleared tool result is sent as: what was there, not what it said."""
+        call_id = message.tool_call_id or "?"
+        size = self.message_tokens([message])[0]
+        text = (
+            f"[result of {names.get(call_id, 'a tool')} ({call_id}) cleared to save room: "
+            f"{size} tokens, kept in the conversation's store]"
+        )
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": text}
+
+    def _window_tokens(
+        self, messages: Sequence[Message], cleared: set[int], names: Mapping[str, str]
+    ) -> list[int]:
+        """Tokens each message adds as it is sent (a cleared result: its stub's)."""
+        counts = self.message_tokens(messages)
+        return [
+            self._delta(self._stub(m, names)) if m.id in cleared else n
+            for m, n in zip(messages, counts, strict=True)
+        ]
+
+    def _clear(
+        self,
+        turns: Sequence[Sequence[Message]],
+        open_turn: Sequence[Mapping[str, Any]],
+        cleared: set[int],
+        names: Mapping[str, str],
+        excess: int,
+    ) -> list[int]:
+        """Clear the oldest tool results (all but the newest ``tool_results_keep``, each at
+        least ``tool_result_clear_min`` tokens) until about ``excess`` tokens are saved; the
+        ids cleared (added to ``cleared``)."""
+        s = self.settings
+        if s.tool_results_keep is None:
+            return []
+        results = [m for turn in turns for m in turn if m.role == "tool"]
+        keep = max(0, s.tool_results_keep - sum(m.get("role") == "tool" for m in open_turn))
+        old = results[: len(results) - keep] if keep else results
+        candidates = [m for m in old if m.id not in cleared]
+        newly: list[int] = []
+        for m, n in zip(candidates, self.message_tokens(candidates), strict=True):
+            if excess <= 0:
+                break
+            if n < s.tool_result_clear_min:
+                continue
+            cleared.add(m.id)
+            newly.append(m.id)
+            excess -= n - self._delta(self._stub(m, names))
+        return newly
 
     def _summarize(
         self, plan: ContextPlan, state: ContextState, evicted: list[Message], pending: list[int]
@@ -835,3 +913,14 @@ class ContextBuilder:
             at, i = end, j
         sections["reserve"] = reserve
         return sections, at if history_start is None else history_start
+
+
+def _call_names(messages: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Each call id's function name, from the assistant messages that made the calls."""
+    names: dict[str, str] = {}
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if isinstance(function, Mapping) and isinstance(call.get("id"), str):
+                names[call["id"]] = str(function.get("name"))
+    return names

@@ -8,10 +8,11 @@ prefix stays valid and only the recalled tokens are new; the next turn drops the
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from chatctx.context._facts import EMPTY_WORDS
 from chatctx.store import Message
@@ -369,13 +370,52 @@ def _matches(word: str, terms: set[str], prefixes: set[str]) -> bool:
 
 
 def sentences(text: str) -> list[tuple[int, str]]:
-    """``text`` cut into sentences and lines, whitespace collapsed: (order, sentence)."""
+    """``text`` cut into sentences and lines, whitespace collapsed: (order, sentence). JSON
+    (a tool's result) is cut into its values, each with its path: ``order.status: shipped``."""
+    items = _json_items(text)
+    if items is not None:
+        return list(enumerate(items))
     out: list[tuple[int, str]] = []
     for order, sentence in enumerate(_SENTENCE.split(text)):
         sentence = " ".join(sentence.split())
         if sentence:
             out.append((order, sentence))
     return out
+
+
+MAX_JSON_ITEMS = 2000  # values of one JSON text cut into items (the rest are left out)
+
+
+def _json_items(text: str) -> list[str] | None:
+    """The values of a JSON object or array as ``path: value`` lines; None for other text."""
+    body = text.strip()
+    if not body.startswith(("{", "[")):
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict | list):
+        return None
+    out: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if len(out) >= MAX_JSON_ITEMS:
+            return
+        if isinstance(node, dict):
+            for key, child in node.items():
+                walk(child, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, f"{path}[{i}]")
+        else:
+            shown = node if isinstance(node, str) else json.dumps(node)
+            line = " ".join(f"{path}: {shown}".split())
+            if line:
+                out.append(line)
+
+    walk(value, "")
+    return out or None
 
 
 def snippet(text: str, query: str) -> list[tuple[int, str]]:

@@ -12,6 +12,12 @@ gone from the next prompt, so an eviction right after it leaves the cache as
 ``[kept prefix][evicted turns][kept turns][recall][last message and reply][old tail]``.
 Each further run of kept tokens that follows in the prompt is moved too, so only the new tail
 is evaluated.
+
+New text can also stand between kept runs: an old tool result cleared to a stub in the middle
+of the kept history leaves ``[kept prefix][stub][kept turns]`` against
+``[kept prefix][result][kept turns]``. A run found after such a gap (at least ``GAP_RUN``
+tokens: a gap costs a decode step of its own) is moved behind it; the gap is evaluated in
+its place (``ReusePlan.dests``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ MIN_CHUNK = 16  # smaller reusable spans are not worth a shift
 # a message's header and a clause, which the walk must find (bench/README.md, the abridge
 # layout).
 SERVER_MIN_CHUNK = 4
+GAP_RUN = 64  # the shortest run worth moving behind new text evaluated in front of it
+MAX_RUNS = 16  # most runs one plan moves (each gap is a decode step of its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,34 +64,56 @@ class ReusePlan:
     ``prefix``: tokens kept in place. ``chunks``: (start, end) of the cached runs moved, in
     order, so that they lie back to back in the prompt from ``dest`` on (none: nothing is
     moved). Prompt tokens ``[prefix, dest)`` are evaluated before them, ``[resume, len)``
-    after them.
+    after them. ``dests``, when set, puts each run at its own prompt position instead: the
+    prompt tokens between one run's end and the next one's place are new, evaluated there.
     """
 
     prefix: int
     chunks: tuple[tuple[int, int], ...] = ()
     dest: int = 0
+    dests: tuple[int, ...] = ()
 
     @property
     def chunk_len(self) -> int:
         """Tokens moved, all runs together."""
         return sum(end - start for start, end in self.chunks)
 
+    def places(self) -> list[int]:
+        """Where each run goes in the prompt."""
+        if self.dests:
+            return list(self.dests)
+        out, at = [], self.dest
+        for start, end in self.chunks:
+            out.append(at)
+            at += end - start
+        return out
+
     @property
     def inserted(self) -> int:
-        return self.dest - self.prefix if self.chunks else 0
+        """New tokens evaluated in front of moved runs (before the first, between them)."""
+        return self.resume - self.prefix - self.chunk_len if self.chunks else 0
 
     @property
     def resume(self) -> int:
-        return self.dest + self.chunk_len if self.chunks else self.prefix
+        if not self.chunks:
+            return self.prefix
+        start, end = self.chunks[-1]
+        return self.places()[-1] + end - start
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The prompt span of new tokens evaluated in front of each run (often empty)."""
+        out, at = [], self.prefix
+        for (start, end), place in zip(self.chunks, self.places(), strict=True):
+            out.append((at, place))
+            at = place + end - start
+        return out
 
     def moves(self) -> list[tuple[int, int, int]]:
         """(start, end, delta) of each run: its cached positions and how far it moves."""
-        out = []
-        at = self.dest
-        for start, end in self.chunks:
-            out.append((start, end, at - start))
-            at += end - start
-        return out
+        return [
+            (start, end, place - start)
+            for (start, end), place in zip(self.chunks, self.places(), strict=True)
+        ]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -152,18 +182,35 @@ def plan_reuse(
         if at >= 0 and kept + length > best[3] + best[1]:
             best = (at, length, dest, kept)
     at, length, dest, prefix = best
-    if at < 0:
-        return ReusePlan(prefix=prefix)
-    chunks = [(at, at + length)]
-    # Runs further on in the cache that continue the prompt where the last one stops.
+    index = _Anchors(cached, min_chunk)
+    if at < 0:  # new text right after the prefix: the first run may follow it
+        found = index.next_run(prompt, prefix + 1, prefix, limit)
+        if found is None:
+            return ReusePlan(prefix=prefix)
+        dest, at, length = found
+    chunks, places = [(at, at + length)], [dest]
+    # Runs further on in the cache that continue the prompt where the last one stops, or
+    # after new text in the prompt (a gap, evaluated in its place).
     here = dest + length
-    while here + min_chunk <= limit:
+    while here + min_chunk <= limit and len(chunks) < MAX_RUNS:
         at, length = _best_match(cached, prompt, here, chunks[-1][1], limit, min_chunk)
-        if at < 0:
-            break
+        if at >= 0:
+            place = here
+        else:
+            found = index.next_run(prompt, here + 1, chunks[-1][1], limit)
+            if found is None:
+                break
+            place, at, length = found
         chunks.append((at, at + length))
-        here += length
-    return ReusePlan(prefix=prefix, chunks=tuple(chunks), dest=dest)
+        places.append(place)
+        here = place + length
+    gapped = any(a + (e - s) != b for (s, e), a, b in zip(chunks, places, places[1:], strict=False))
+    return ReusePlan(
+        prefix=prefix,
+        chunks=tuple(chunks),
+        dest=places[0],
+        dests=tuple(places) if gapped else (),
+    )
 
 
 def plan_in_order(cached: Sequence[int], prompt: Sequence[int], *, min_chunk: int) -> ReusePlan:
@@ -205,3 +252,48 @@ def plan_in_order(cached: Sequence[int], prompt: Sequence[int], *, min_chunk: in
         kept.append((start, start + take))
         room -= take
     return ReusePlan(prefix=prefix, chunks=tuple(kept), dest=prefix)
+
+
+class _Anchors:
+    """The cache's positions by the two tokens starting there (built on first use, from
+    ``after`` on): where a run after a gap in the prompt may begin."""
+
+    WORK = 200_000  # token comparisons one search may make (repetitive text stays cheap)
+
+    def __init__(self, cached: Sequence[int], min_chunk: int) -> None:
+        self.cached = cached
+        self.min_chunk = max(2, min_chunk)
+        self._index: dict[int, list[int]] | None = None
+        self._from = 0
+
+    def next_run(
+        self, prompt: Sequence[int], start: int, after: int, limit: int
+    ) -> tuple[int, int, int] | None:
+        """The first prompt position from ``start`` on where a cached run of at least
+        ``GAP_RUN`` tokens, starting at or after cache position ``after``, continues the
+        prompt: (prompt position, cache position, length); None if there is none."""
+        cached = self.cached
+        if limit - start < GAP_RUN or len(cached) - after < GAP_RUN:
+            return None
+        if self._index is None or after < self._from:
+            self._from = after
+            self._index = {}
+            for at in range(after, len(cached) - 1):
+                self._index.setdefault(cached[at] * _KEY + cached[at + 1], []).append(at)
+        work = 0
+        for p in range(start, limit - GAP_RUN + 1):
+            for at in self._index.get(prompt[p] * _KEY + prompt[p + 1], ()):
+                if at < after:
+                    continue
+                n = 2
+                while at + n < len(cached) and p + n < limit and cached[at + n] == prompt[p + n]:
+                    n += 1
+                work += n
+                if n >= GAP_RUN:
+                    return p, at, n
+            if work > self.WORK:
+                return None
+        return None
+
+
+_KEY = 1 << 32  # token ids are below it: two of them make one int key

@@ -250,6 +250,7 @@ class ConversationContext:
             summary=stored.summary.content if stored.summary else None,
             summary_tokens=stored.summary.token_count or 0 if stored.summary else 0,
             pending_ids=stored.pending_ids,
+            cleared_ids=stored.cleared_ids,
             summary_blocks=stored.summary.blocks if stored.summary else (),
             abridged=tuple(Cut.from_row(c) for c in stored.summary.abridged)
             if stored.summary

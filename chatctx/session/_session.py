@@ -816,6 +816,7 @@ class ChatSession(Closeable):
             plan = built.plan
             if not (
                 plan.evicted
+                or plan.cleared_ids
                 or plan.summary_changed
                 or plan.summarized_ids
                 or built.state.pending_ids
@@ -838,6 +839,7 @@ class ChatSession(Closeable):
                     expected_version=prepared.state_version,
                     summary_blocks=built.state.summary_blocks,
                     abridged=[cut.to_row() for cut in built.state.abridged],
+                    cleared_ids=built.state.cleared_ids,
                 )
             except ContextStateConflict:
                 if attempt == STATE_ATTEMPTS:

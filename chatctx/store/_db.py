@@ -510,6 +510,7 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
                 summary=_summary(summary) if summary else None,
                 pending_ids=tuple(row.pending_ids or ()),
                 version=row.version,
+                cleared_ids=tuple(row.cleared_ids or ()),
             )
 
     @_retry_busy
@@ -523,12 +524,14 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
         expected_version: int | None = None,
         summary_blocks: Sequence[tuple[int, int]] = (),
         abridged: Sequence[Sequence[int]] = (),
+        cleared_ids: Sequence[int] = (),
     ) -> StoredContextState:
         """Persist the window start and, when it changed, a new summary version.
 
         ``new_summary`` is (content, newly covered message ids, token count, tokenizer);
         ``summary_blocks`` where its parts are sent in the append layout, ``abridged`` what of
-        each evicted message the abridge layout sends.
+        each evicted message the abridge layout sends; ``cleared_ids`` the tool results in the
+        window sent as a stub (cleared to save room).
         Both are written in one transaction. Each save adds one to the state's ``version``;
         with ``expected_version`` (the version read by ``context_state``) it is a
         compare-and-set: when another writer saved in between, nothing is written and
@@ -560,6 +563,7 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
             row.version += 1
             row.window_start = window_start
             row.pending_ids = list(pending_ids)
+            row.cleared_ids = list(cleared_ids) or None
             summary_row = None
             if new_summary is not None:
                 content, covered, tokens, tokenizer = new_summary
@@ -583,6 +587,7 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
                 summary=_summary(summary_row) if summary_row else None,
                 pending_ids=tuple(row.pending_ids),
                 version=row.version,
+                cleared_ids=tuple(row.cleared_ids or ()),
             )
 
     def summaries(self, conversation_id: str) -> list[Summary]:

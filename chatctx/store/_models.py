@@ -234,6 +234,8 @@ class ContextStateRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     # One more on every save: a compare-and-set save checks it (no lost updates).
     version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Tool results in the window sent as a stub, cleared to save room (ids); NULL: none.
+    cleared_ids: Mapped[list[int] | None] = mapped_column(JSON)
 
 
 class MessageEmbeddingRow(Base):

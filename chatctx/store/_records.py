@@ -130,3 +130,4 @@ class StoredContextState:
     summary: Summary | None = None
     pending_ids: tuple[int, ...] = ()
     version: int = 0  # saves so far: what ``save_context_state(expected_version=...)`` checks
+    cleared_ids: tuple[int, ...] = ()  # tool results in the window sent as a stub

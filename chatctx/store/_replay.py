@@ -189,6 +189,11 @@ class ReplayStore(Store):
             self.get_conversation(conversation_id)  # ConversationNotFound
             return [m for m in self._messages_of(conversation_id) if m.position >= from_position]
 
+    def last_turn(self, conversation_id: str) -> list[Message]:
+        history = self.messages(conversation_id)
+        start = max((i for i, m in enumerate(history) if m.role == "user"), default=None)
+        return [] if start is None else history[start:]
+
     def pinned_messages(self, conversation_id: str) -> list[Message]:
         with self._lock:
             if conversation_id not in self._conversations:
@@ -233,6 +238,7 @@ class ReplayStore(Store):
         expected_version: int | None = None,
         summary_blocks: Sequence[tuple[int, int]] = (),
         abridged: Sequence[Sequence[int]] = (),
+        cleared_ids: Sequence[int] = (),
     ) -> StoredContextState:
         state = super().save_context_state(
             conversation_id,
@@ -242,6 +248,7 @@ class ReplayStore(Store):
             expected_version=expected_version,
             summary_blocks=summary_blocks,
             abridged=abridged,
+            cleared_ids=cleared_ids,
         )
         with self._lock:
             self._states[conversation_id] = state

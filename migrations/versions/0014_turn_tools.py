@@ -1,4 +1,5 @@
-"""turns: tool calls made, tool-result tokens kept and cleared, a call kept as text
+"""turns: tool calls made, tool-result tokens kept and cleared, a call kept as text;
+context_states.cleared_ids: tool results sent as a stub
 
 Revision ID: 0014
 Revises: 0013
@@ -22,9 +23,13 @@ def upgrade() -> None:
         batch.add_column(sa.Column("tool_result_tokens", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("tool_cleared_tokens", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("tool_warning", sa.Text(), nullable=True))
+    with op.batch_alter_table("context_states") as batch:
+        batch.add_column(sa.Column("cleared_ids", sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("context_states") as batch:
+        batch.drop_column("cleared_ids")
     with op.batch_alter_table("turns") as batch:
         for column in ("tool_warning", "tool_cleared_tokens", "tool_result_tokens", "tool_calls"):
             batch.drop_column(column)

@@ -231,8 +231,12 @@ class Scheduler:
             except BaseException as exc:
                 self._fail(job, exc)
                 continue
-            if job.insert is not None:
-                job.todo, job.pos, job.state = list(job.insert.tokens), job.insert.start, "insert"
+            if job.insert is not None and not job.insert.done:
+                job.todo, job.pos, job.state = job.insert.tokens, job.insert.start, "insert"
+            elif job.insert is not None:  # every run came back at once: no gap to evaluate
+                self._released(job)
+                job.todo, job.pos = job.prompt[job.insert.resume :], job.insert.resume
+                job.state = "prefill"
             else:
                 job.todo, job.pos, job.state = job.prompt[resume:], resume, "prefill"
         evaluating = [j for j in self._jobs if j.state in ("insert", "prefill")]
@@ -317,17 +321,19 @@ class Scheduler:
             self._sample(job, index)
 
     def _end_insert(self, job: Job) -> None:
-        # The inserted tokens are in: the parked turns come back behind them, and the rest
-        # of the prompt (never empty) is evaluated from where they end.
+        # A gap's tokens are in: the parked run comes back behind them; then the next gap,
+        # or the rest of the prompt (never empty) from where the last run ends.
         insert = job.insert
         assert insert is not None
         try:
-            insert.finish()
+            insert.restore()
         except Exception as exc:
-            self._fail(job, exc)
+            self._fail(job, exc)  # releases the spare (the insert is aborted)
             return
-        finally:
-            self._released(job)
+        if not insert.done:
+            job.todo, job.pos = insert.tokens, insert.start
+            return
+        self._released(job)
         job.todo, job.pos, job.state = job.prompt[insert.resume :], insert.resume, "prefill"
 
     def _sample(self, job: Job, index: int) -> None:
@@ -411,13 +417,8 @@ def _result(job: Job) -> GenerationResult:
     decode_s = t_end - first if first is not None else 0.0
     report = job.report
     reused = report.reused_tokens if report else 0
-    if (
-        job.insert is not None
-        and job.state == "done"
-        and job.insert.tokens
-        and job.pos < (job.insert.start + len(job.insert.tokens))
-    ):
-        reused -= len(job.insert.kept)  # the parked turns were dropped, never used
+    if job.insert is not None and job.state == "done":
+        reused -= job.insert.unrestored  # parked runs dropped by an abort were never used
     n = len(job.tokens)
     return GenerationResult(
         text=job.text,

@@ -73,26 +73,24 @@ def prepare(
         _shift(ctx, seq_id, moves)
         mirror[:] = mirror[: plan.prefix] + kept
     else:
-        # llama.cpp only appends at pos_max + 1: park the kept turns on the spare
-        # sequence; the scheduler evaluates the inserted tokens in chunks, then the turns
-        # move back behind them (Insert.finish).
+        # llama.cpp only appends at pos_max + 1: park the kept runs on the spare sequence,
+        # moved to their places; the scheduler evaluates the new tokens in front of each run
+        # in chunks, then the run comes back behind them (Insert.restore).
         assert spare is not None
         ctx.seq_rm(spare, 0, -1)
         for start, end, _ in moves:
             ctx.seq_cp(seq_id, spare, start, end)
         ctx.seq_rm(seq_id, plan.prefix, -1)
+        _shift(ctx, spare, moves)
         del mirror[plan.prefix :]
         insert = Insert(
             ctx=ctx,
             mirror=mirror,
             seq_id=seq_id,
             spare=spare,
-            start=plan.prefix,
-            tokens=prompt[plan.prefix : plan.dest],
-            moves=moves,
-            kept=kept,
-            dest=plan.dest,
-            resume=plan.resume,
+            prompt=prompt,
+            gaps=plan.gaps(),
+            runs=[(start + delta, end + delta) for start, end, delta in moves],
         )
     shifted = [(end - start, delta) for start, end, delta in moves if delta]
     report = KVReport(
@@ -116,32 +114,68 @@ def prepare(
 
 @dataclass(eq=False)
 class Insert:
-    """New tokens (a changed summary) to evaluate in front of kept turns parked on the spare.
+    """New tokens to evaluate in front of kept runs parked on the spare sequence: a changed
+    summary in front of the kept turns, a cleared tool result's stub between them.
 
-    The scheduler decodes ``tokens`` at ``start...`` in chunks on ``seq_id`` (extending
-    ``mirror`` as it goes), then calls ``finish()``: the parked turns move to their place
-    behind them and come back. ``abort()`` (a cancelled or failed turn) drops them: the
-    sequence keeps what was evaluated so far and the next turn evaluates the rest.
+    The runs lie on the spare at their prompt places (``runs``: start, end); ``gaps`` are the
+    prompt spans evaluated in front of each (empty where a run follows the one before). The
+    scheduler decodes ``tokens`` at ``start...`` in chunks on ``seq_id`` (extending ``mirror``
+    as it goes), then calls ``restore()``: the run comes back behind them, and the next gap
+    is up (``done`` once every run is back and the spare is free). ``abort()`` (a cancelled
+    or failed turn) drops the runs not yet back: the sequence keeps what it has.
     """
 
     ctx: NativeContext
     mirror: list[int]
     seq_id: int
     spare: int
-    start: int
-    tokens: list[int]
-    moves: list[tuple[int, int, int]]
-    kept: list[int]
-    dest: int
-    resume: int
+    prompt: list[int]
+    gaps: list[tuple[int, int]]
+    runs: list[tuple[int, int]]
+    step: int = 0  # the next run to come back
     done: bool = False
 
-    def finish(self) -> None:
-        try:
-            _shift(self.ctx, self.spare, self.moves)
-            self.ctx.seq_cp(self.spare, self.seq_id, self.dest, self.resume)
-            self.mirror.extend(self.kept)
-        finally:
+    def __post_init__(self) -> None:
+        self._ready()
+
+    @property
+    def start(self) -> int:
+        return self.gaps[self.step][0]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The gap to evaluate now (in front of run ``step``)."""
+        if self.done:
+            return []
+        start, end = self.gaps[self.step]
+        return self.prompt[start:end]
+
+    @property
+    def resume(self) -> int:
+        """Where the prompt goes on after the last run."""
+        return self.runs[-1][1]
+
+    @property
+    def unrestored(self) -> int:
+        """Tokens of the runs that have not come back (dropped by an abort)."""
+        return sum(end - start for start, end in self.runs[self.step :])
+
+    def restore(self) -> None:
+        """The gap in front of run ``step`` is evaluated: the run comes back behind it, and
+        the runs right after it too."""
+        self._back()
+        self._ready()
+
+    def _back(self) -> None:
+        start, end = self.runs[self.step]
+        self.ctx.seq_cp(self.spare, self.seq_id, start, end)
+        self.mirror.extend(self.prompt[start:end])
+        self.step += 1
+
+    def _ready(self) -> None:
+        while self.step < len(self.runs) and self.gaps[self.step][0] == self.gaps[self.step][1]:
+            self._back()
+        if self.step == len(self.runs):
             self.abort()
 
     def abort(self) -> None:
