@@ -254,9 +254,36 @@ def test_old_tool_results_are_cleared_in_place_and_recalled(
         assert evaluated < turn.tool_cleared_tokens
         # A cleared fact asked back is recalled from the store.
         code = json.loads(stored[first_cleared].content)["parcel_code"]
-        chat.send(f"What was the parcel code {code[:3]} of that first order?", tools=TOOLS)
+        chat.send(
+            f"What was the parcel code {code[:3]} of that first order?",
+            tools=TOOLS,
+            tool_choice="none",
+        )
         assert chat.last_build is not None
         assert first_cleared in chat.last_build.plan.recalled_ids
         prompt = llama31_engine.detokenize(chat.last_build.tokens, special=True)
         assert code in prompt and "cleared to save room" in prompt
         assert stored[first_cleared].content not in prompt  # the line that matched, only
+        conversation = chat.conversation_id
+        records = chat.store.turns(conversation)
+    # The monitor: tool calls per turn, result tokens whole and cleared, as recorded.
+    from click.testing import CliRunner
+
+    from chatctx.cli import cli
+
+    shown = CliRunner().invoke(cli, ["inspect", conversation, "--db", db_url, "--json"])
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.output)
+    assert report["cleared_ids"] and first_cleared in report["cleared_ids"]
+    by_turn = {row["turn"]: row for row in report["tool_turns"]}
+    for number, record in enumerate(records, start=1):
+        if record.tool_calls is not None or record.tool_cleared_tokens:
+            assert by_turn[number]["tool_calls"] == record.tool_calls
+            assert by_turn[number]["tool_cleared_tokens"] == record.tool_cleared_tokens
+    assert sum(row["tool_calls"] or 0 for row in report["tool_turns"]) == sum(
+        len(r.tool_calls) for r in replies
+    )
+    text = CliRunner().invoke(cli, ["inspect", conversation, "--db", db_url]).output
+    assert "tool calls" in text and "cleared to stubs" in text
+    stats = CliRunner().invoke(cli, ["stats", conversation, "--db", db_url]).output
+    assert f"{sum(len(r.tool_calls) for r in replies)} tool calls" in stats

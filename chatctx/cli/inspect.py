@@ -38,7 +38,12 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
     plans: list[tuple[int, dict[str, Any]]] = [
         (number, t.plan) for number, t in enumerate(turns, start=1) if t.plan
     ]
-    evictions = [(n, p) for n, p in plans if p.get("evicted")]
+    evictions = [(n, p) for n, p in plans if p.get("evicted") or p.get("cleared_ids")]
+    agent = [
+        (number, t)
+        for number, t in enumerate(turns, start=1)
+        if t.tool_calls is not None or t.tool_result_tokens or t.tool_cleared_tokens
+    ]
     if as_json:
         print_json(
             {
@@ -50,6 +55,17 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
                 "summary_versions": len(summaries),
                 "current_plan": plans[-1][1] if plans else None,
                 "evictions": [{"turn": n, **p} for n, p in evictions],
+                "cleared_ids": list(state.cleared_ids),
+                "tool_turns": [
+                    {
+                        "turn": n,
+                        "tool_calls": t.tool_calls,
+                        "tool_result_tokens": t.tool_result_tokens,
+                        "tool_cleared_tokens": t.tool_cleared_tokens,
+                        "tool_warning": t.tool_warning,
+                    }
+                    for n, t in agent
+                ],
             }
         )
         return
@@ -84,6 +100,12 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
                 f"  best match {plan['recall_answered']} already in the prompt: the other "
                 "matches sent their closest sentence only"
             )
+        if plan.get("tool_result_tokens") or plan.get("tool_cleared_tokens"):
+            console.print(
+                f"  tool results: {plan.get('tool_result_tokens', 0)} tokens sent whole, "
+                f"{plan.get('tool_cleared_tokens', 0)} tokens cleared to stubs "
+                f"({len(state.cleared_ids)} results; the store keeps them)"
+            )
         if plan.get("recall_error"):
             console.print(f"  [red]recall failed: {plan['recall_error']}[/red]")
         if plan.get("yielded"):
@@ -117,6 +139,20 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
             f"[yellow]{len(state.pending_ids)} evicted messages wait to be "
             "summarized (the last summary attempt failed)[/yellow]"
         )
+    if agent:
+        calls = Table(
+            "turn", "calls", "results whole", "results cleared", "note", title="tool calls"
+        )
+        for n, t in agent:
+            calls.add_row(
+                str(n),
+                "" if t.tool_calls is None else str(t.tool_calls),
+                str(t.tool_result_tokens or 0),
+                str(t.tool_cleared_tokens or 0),
+                f"[yellow]{t.tool_warning}[/yellow]" if t.tool_warning else "",
+            )
+        console.print()
+        console.print(calls)
     if not evictions:
         console.print("\nno evictions")
         return
@@ -124,6 +160,7 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
         "turn",
         "prompt",
         "evicted",
+        "cleared",
         "summarized",
         "dropped",
         "summary ms",
@@ -141,6 +178,7 @@ def inspect(conversation_id: str, db: str | None, as_json: bool) -> None:
             str(n),
             str(p.get("prompt_tokens")),
             str(_count(p["evicted_ids"])),
+            str(len(p.get("cleared_ids") or ())),
             str(_count(p["summarized_ids"])),
             str(_count(p["dropped_ids"])),
             f"{p.get('summary_ms', 0):.0f}",

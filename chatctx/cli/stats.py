@@ -230,6 +230,11 @@ def _show_turns(conversation_id: str, turns: list[Turn], as_json: bool) -> None:
         f"{_fmt(summary.ttft_p50_ms)} ms, p95 {_fmt(summary.ttft_p95_ms)} ms · queue wait p50 "
         f"{_fmt(summary.queue_p50_ms)} ms, p95 {_fmt(summary.queue_p95_ms)} ms  (* = evicted)"
     )
+    if summary.tool_calls or summary.tool_results_cleared:
+        console.print(
+            f"agent: {summary.tool_calls} tool calls · {summary.tool_results_cleared} old tool "
+            "results cleared to stubs (`chatctx inspect` shows them per turn)"
+        )
     if show_rss or show_gpu:
         line = f"memory: peak RSS {_mib(memory['peak_rss_bytes'])} MiB"
         if show_gpu:

@@ -384,6 +384,7 @@ def sentences(text: str) -> list[tuple[int, str]]:
 
 
 MAX_JSON_ITEMS = 2000  # values of one JSON text cut into items (the rest are left out)
+JSON_LINES = 4  # most values of one JSON result recalled together
 
 
 def _json_items(text: str) -> list[str] | None:
@@ -408,11 +409,12 @@ def _json_items(text: str) -> list[str] | None:
         elif isinstance(node, list):
             for i, child in enumerate(node):
                 walk(child, f"{path}[{i}]")
+        elif isinstance(node, str):  # prose (an article's body) goes sentence by sentence
+            for sentence in _SENTENCE.split(node):
+                if sentence.strip():
+                    out.append(" ".join(f"{path}: {sentence}".split()))
         else:
-            shown = node if isinstance(node, str) else json.dumps(node)
-            line = " ".join(f"{path}: {shown}".split())
-            if line:
-                out.append(line)
+            out.append(" ".join(f"{path}: {json.dumps(node)}".split()))
 
     walk(value, "")
     return out or None
@@ -470,7 +472,21 @@ def fit_recall(
     for index, hit in enumerate(hits):
         message = hit.message
         parts = sentences(message.content)
-        picked = [t for _, t in pick(message.content, query)] if len(parts) > 1 else []
+        ranked = pick(message.content, query) if len(parts) > 1 else []
+        # A tool's result (JSON cut into its values, or lines) is a record: its values that
+        # share the query's words first (an id asked for by name), then the rest as ``pick``
+        # ranks them, and several of them together.
+        record = ranked and (message.role == "tool" or _json_items(message.content) is not None)
+        if record:
+            matched = snippet(message.content, query)
+            ranked = matched + [part for part in ranked if part not in matched]
+        picked = [t for _, t in ranked]
+        if record:
+            # A record's values go together: the one asked for and the one that names the
+            # record ("ticket_id: ..." with "subject: damaged pan"), in the record's order.
+            picked = [
+                "; ".join(t for _, t in sorted(ranked[:n])) for n in range(JSON_LINES, 1, -1)
+            ] + picked
         for text in [*picked, message.content] if picked else [message.content]:
             if fits(index, message, text):
                 sent[index] = (message, text, hit.score)

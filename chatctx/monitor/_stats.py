@@ -40,6 +40,8 @@ class Totals:
     decode_tokens_per_s: float | None
     queue_p50_ms: float | None = None  # waiting in line for a slot (turns that recorded it)
     queue_p95_ms: float | None = None
+    tool_calls: int = 0  # calls the replies made (an agent's turns)
+    tool_results_cleared: int = 0  # old tool results cleared to stubs
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +75,8 @@ def totals(turns: Sequence[Turn]) -> Totals:
         decode_tokens_per_s=sum(rates) / len(rates) if rates else None,
         queue_p50_ms=percentile(queued, 50),
         queue_p95_ms=percentile(queued, 95),
+        tool_calls=sum(t.tool_calls or 0 for t in turns),
+        tool_results_cleared=sum(len(t.plan.get("cleared_ids") or ()) for t in turns if t.plan),
     )
 
 
