@@ -84,6 +84,16 @@ class ParsedReply:
     calls: tuple[ToolCall, ...] = ()
     warning: str | None = None
 
+    def first_call_only(self) -> ParsedReply:
+        """The reply with its first call only (``parallel_tool_calls`` false), saying so."""
+        if len(self.calls) <= 1:
+            return self
+        return ParsedReply(
+            self.content,
+            self.calls[:1],
+            f"parallel_tool_calls is false: the first of {len(self.calls)} calls was kept",
+        )
+
 
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"

@@ -908,7 +908,7 @@ class ChatSession(Closeable):
                         lost = exc
                 parsed, rest = shown.finish()
                 if turn.ask.reads_calls:
-                    turn.parsed = parsed
+                    turn.parsed = parsed if turn.ask.parallel else parsed.first_call_only()
                 if rest:
                     yield rest
             except GeneratorExit:  # the reader let go: the reply so far is stored
@@ -994,6 +994,8 @@ class ChatSession(Closeable):
             if parsed is None and ask is not None and ask.reads_calls:  # stopped before its end
                 fmt = self.engine.codec().tool_format
                 parsed = parse_tool_calls(stream.result.text, fmt, ask.by_name)
+                if not ask.parallel:
+                    parsed = parsed.first_call_only()
             try:
                 reply = self._store_turn(
                     user, stream.result, turn.plan, turn.clock, turn.lease, parsed=parsed

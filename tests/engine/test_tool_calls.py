@@ -409,3 +409,79 @@ def test_raw_control_characters_in_an_argument_are_read_and_escaped() -> None:
     parsed = parse_tool_calls(output, "llama3", TOOLS)
     assert _calls(parsed) == [("open_ticket", {"subject": "line one\nline\ttwo"})]
     assert "\n" not in parsed.calls[0].arguments  # written back as JSON escapes
+
+
+def test_parallel_calls_off_keeps_the_first_and_says_so() -> None:
+    two = (
+        '{"name": "lookup_order", "parameters": {"order_id": "A-1"}}; '
+        '{"name": "open_ticket", "parameters": {"subject": "late", "priority": 2}}'
+    )
+    parsed = parse_tool_calls(two, "llama3", TOOLS, ids=_ids())
+    assert len(parsed.calls) == 2 and parsed.warning is None
+    first = parsed.first_call_only()
+    assert _calls(first) == [("lookup_order", {"order_id": "A-1"})]
+    assert first.warning is not None and "2 calls" in first.warning
+    assert parsed.first_call_only().calls[0].id == parsed.calls[0].id
+
+
+def test_a_required_call_without_parallel_calls_is_one_call_in_the_generic_format() -> None:
+    from chatctx.model.tools import call_grammar
+
+    grammar = call_grammar(TOOLS, "generic", "required", parallel=False)
+    assert grammar is not None
+    assert grammar.schema["properties"]["tool_calls"]["maxItems"] == 1
+    assert call_grammar(TOOLS, "generic", "auto") is None
+    assert call_grammar(TOOLS, "llama3", "none") is None
+    named = call_grammar(TOOLS, "hermes", "open_ticket")
+    assert named is not None and named.open.startswith("<tool_call>") and named.repeat
+    assert named.schema["properties"]["name"] == {"const": "open_ticket"}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "chunks", "shown_while", "content", "calls"),
+    [
+        # A plain Llama 3 reply streams as it comes; a JSON one is a call, never shown.
+        ("llama3", ["Your ", "order ", "ships today."], "Your order ships today.", None, 0),
+        ("llama3", ['  {"name": "lookup_', 'order", "parameters": {"order_id": "B"}}'], "", "", 1),
+        ("llama3", ["<|python", '_tag|>{"name": "lookup_order", "parameters": {}}'], "", "", 1),
+        # Hermes: the text before a block shows; the block and its tag pieces never do.
+        (
+            "hermes",
+            [
+                "Let me check. <tool",
+                '_call>\n{"name": "lookup_order", "arguments": {}}\n</tool_call>',
+            ],
+            "Let me check. ",
+            "Let me check.",
+            1,
+        ),
+        ("hermes", ["Sure, <to", "day is fine."], "Sure, <today is fine.", None, 0),
+        # Generic: the JSON answer is held whole; its response is the content.
+        ("generic", ['{"response": ', '"It ships today."}'], "", "It ships today.", 0),
+        ("generic", ["It ", "ships."], "It ships.", None, 0),
+    ],
+)
+def test_a_streamed_reply_shows_text_and_holds_calls_back(
+    fmt: Any, chunks: list[str], shown_while: str, content: str | None, calls: int
+) -> None:
+    from chatctx.model.tools import ReplyFilter
+
+    reader = ReplyFilter(fmt, TOOLS, ids=_ids())
+    shown = "".join(reader.feed(chunk) for chunk in chunks)
+    assert shown == shown_while
+    parsed, rest = reader.finish()
+    whole = "".join(chunks)
+    assert parsed == parse_tool_calls(whole, fmt, TOOLS, ids=_ids())  # the same reading
+    assert len(parsed.calls) == calls
+    assert parsed.content == (whole if content is None else content)
+    assert (shown + rest).strip() == parsed.content.strip()
+
+
+def test_a_stream_with_tool_choice_none_is_all_text() -> None:
+    from chatctx.model.tools import ReplyFilter
+
+    reader = ReplyFilter("llama3", TOOLS, reading=False)
+    call = '{"name": "lookup_order", "parameters": {}}'
+    assert reader.feed(call) == call
+    parsed, rest = reader.finish()
+    assert parsed.calls == () and parsed.content == call and rest == ""
