@@ -95,12 +95,15 @@ def test_the_readme_agent_runs_its_tool(tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     agent = next(s for s in re.findall(r"```python\n(.*?)```", readme, re.S) if "run_tools" in s)
     db = f"sqlite:///{tmp_path / 'bot.db'}"
-    # A random-weight model calls only when it must: the first reply is held to a call.
+    # A random-weight model calls only when it must: the first reply is held to a call, its
+    # string argument bounded (a random model never closes an open-ended string).
     code = (
         agent.replace('"model.gguf"', repr(str(model)))
         .replace('"sqlite:///bot.db"', repr(db))
         .replace("tools=[LOOKUP])", 'tools=[LOOKUP], tool_choice="required")')
+        .replace('{"type": "string"}', '{"type": "string", "maxLength": 8}')
     )
+    assert code.count("maxLength") == 1 and code.count('tool_choice="required"') == 1
     scope: dict[str, object] = {"print": lambda *args: None}
     exec(compile(code, "README.md", "exec"), scope)  # defines and runs it
     scope["engine"].close()  # type: ignore[attr-defined]

@@ -41,8 +41,7 @@ from chatctx.serve._schemas import (
 from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateless_owner
 from chatctx.serve._tenants import Tenant
 from chatctx.serve._turn import Cut, TurnRun
-from chatctx.session import ChatSession
-from chatctx.session._tools import ask_for, open_turn
+from chatctx.session import ChatSession, ask_for, open_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.store import Store
 

@@ -15,8 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from chatctx.session import ChatSession, Reply
-from chatctx.session._tools import Ask
+from chatctx.session import Ask, ChatSession, Reply
 from chatctx.settings import GenerationSettings
 
 logger = logging.getLogger("chatctx.serve")

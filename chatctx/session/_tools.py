@@ -17,8 +17,6 @@ from chatctx.errors import ConfigError
 from chatctx.model.tools import ToolChoice, check_tool_choice, check_tools
 from chatctx.store import Message
 
-__all__ = ["Ask", "OpenTurn", "ask_for", "open_turn"]
-
 
 @dataclass(frozen=True, slots=True)
 class Ask:

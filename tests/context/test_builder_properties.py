@@ -36,10 +36,20 @@ SYSTEM = "You are the support assistant. Never ask for card numbers."
 
 
 def make_builder(
-    codec: TiktokenCodec, policy: str, summarize: bool, budget: int, low: float = 0.6
+    codec: TiktokenCodec,
+    policy: str,
+    summarize: bool,
+    budget: int,
+    low: float = 0.6,
+    keep: int | None = None,
 ) -> ContextBuilder:
+    # The turn rules are checked with tool results never cleared (``keep`` None); clearing
+    # has its own properties below.
     config = ContextSettings(
-        policy=policy, low=low, summarizer="extractive" if summarize else "none"
+        policy=policy,
+        low=low,
+        summarizer="extractive" if summarize else "none",
+        tool_results_keep=keep,
     )
     summarizer = (
         ExtractiveSummarizer(codec.count, max_tokens=max(16, budget // 4)) if summarize else None
@@ -219,3 +229,71 @@ def test_prefix_stability_between_evictions(
         previous = codec.prompt_tokens(
             [*result.messages, {"role": "assistant", "content": reply}], add_generation_prompt=False
         )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    history=histories(),
+    budget=st.integers(200, 4000),
+    new_size=sizes,
+    keep=st.integers(0, 3),
+    low=st.floats(0.2, 0.9),
+)
+def test_old_tool_results_are_cleared_before_whole_turns_go(
+    llama3_codec: TiktokenCodec,
+    history: list[Message],
+    budget: int,
+    new_size: int,
+    keep: int,
+    low: float,
+) -> None:
+    codec = llama3_codec
+    builder = make_builder(codec, "watermarks", False, budget, low, keep=keep)
+    new_text = text(new_size, 999)
+    try:
+        result = builder.build(
+            system_prompt=SYSTEM, history=history, new_message=new_text, budget=budget
+        )
+    except ContextBudgetError:
+        return
+    plan = result.plan
+    by_id = {m.id: m for m in history}
+    cleared = set(result.state.cleared_ids)
+    results = [m for m in history if m.role == "tool"]
+    newest = {m.id for m in results[len(results) - keep :]} if keep else set()
+    minimum = ContextSettings().tool_result_clear_min
+    # Only old tool results, never the newest `keep`, never short ones, never another role.
+    for i in cleared:
+        assert by_id[i].role == "tool" and i not in newest
+        alone = len(codec.prompt_tokens([{"role": "tool", "content": by_id[i].content}]))
+        assert alone >= minimum // 2  # the stub would save little under the minimum
+    # What is sent: the kept messages, a cleared result as a stub with its call id that
+    # names the call and says nothing of the result; everything else as stored.
+    sent = result.messages[1:-1]
+    assert len(sent) == len(plan.kept_ids)
+    for message, i in zip(sent, plan.kept_ids, strict=True):
+        stored = by_id[i]
+        if i in cleared:
+            assert message["role"] == "tool" and message["tool_call_id"] == stored.tool_call_id
+            assert str(stored.tool_call_id) in message["content"]
+            assert stored.content not in message["content"]
+        else:
+            assert message == stored.to_openai()
+    # The prompt, recounted, is what was sent, and it fits.
+    assert codec.prompt_tokens(result.messages) == result.tokens
+    assert len(result.tokens) <= budget
+    # Whole turns go only once every old result still kept that could be cleared is.
+    if plan.evicted:
+        for i in plan.kept_ids:
+            m = by_id[i]
+            if m.role == "tool" and i not in newest and i not in cleared:
+                alone = len(codec.prompt_tokens([{"role": "tool", "content": m.content}]))
+                assert alone < minimum * 2  # short: never worth a stub
+    # Nothing is cleared while the whole history fits under the high watermark.
+    everything = [
+        {"role": "system", "content": SYSTEM},
+        *(m.to_openai() for m in history),
+        {"role": "user", "content": new_text},
+    ]
+    if len(codec.prompt_tokens(everything)) <= budget:
+        assert not cleared and not plan.evicted
