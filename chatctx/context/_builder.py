@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -49,6 +50,13 @@ LAYOUTS = ("summary-first", "append", "abridge")
 # n_cache_reuse (``LlamaServerBackend.cache_reuse``).
 ABRIDGE_MIN_CHUNK = SERVER_MIN_CHUNK
 MAX_PENDING = 2000
+# Where the cache cannot take new text in front of its runs, a cleared tool result keeps its
+# start (enough to name the record: ``{"order_id": "A-1", "carrier": "GLS``): at most this
+# many characters, cut after a letter or digit, the longest of the first tries the cache
+# keeps as it is.
+STUB_CHARS = 80
+STUB_TRIES = 12
+_WORD_END = re.compile(r"[^\W_](?=[\W_])")
 
 
 class TokenCache(Protocol):
@@ -161,6 +169,7 @@ class ContextBuilder:
         clock: Callable[[], float] = time.perf_counter,
         layout: str | None = None,
         min_chunk: int = ABRIDGE_MIN_CHUNK,
+        cache_edits: str = "in-place",
     ) -> None:
         """``lookup`` re-reads messages by id: those evicted earlier while summarizing failed
         are retried at the next eviction (the store's ``messages_by_ids``). ``recall`` searches
@@ -168,7 +177,10 @@ class ContextBuilder:
         nothing is recalled. ``clock`` times summaries against ``summary_timeout_s``.
         ``layout`` overrides ``settings.layout`` (a session resolves "auto" for its backend;
         "auto" here means summary-first). ``min_chunk``: the shortest cached run the backend's
-        cache reuses, which the abridge layout cuts messages for."""
+        cache reuses, which the abridge layout cuts messages for. ``cache_edits``: what the
+        backend's cache keeps of a changed prompt (``Backend.cache_edits``); a cleared tool
+        result is a stub that says what was there where new text can go in front of cached
+        runs ("in-place"), else its first words, a cut the cache keeps."""
         self.codec = codec
         self.lookup = lookup
         self.recall = recall
@@ -186,6 +198,8 @@ class ContextBuilder:
             if lookup is None:
                 raise ConfigError("the abridge layout re-reads evicted messages: give a lookup")
         self._cutter = Cutter(self._message_tokens, min_chunk)
+        self.cache_edits = cache_edits
+        self._stubs: dict[int, dict[str, Any] | None] = {}  # cleared results' stubs, by id
         self._evicted: dict[int, Message] = {}  # evicted messages read back, by id
         self.summarizer = summarizer
         self.cache = cache
@@ -630,14 +644,48 @@ class ContextBuilder:
     # clearing old tool results ------------------------------------------------------------
 
     def _stub(self, message: Message, names: Mapping[str, str]) -> dict[str, Any]:
-        """What a cleared tool result is sent as: what was there, not what it said."""
+        """What a cleared tool result is sent as (``_stub_for``; a result is cleared only
+        when it has one)."""
+        stub = self._stub_for(message, names)
+        assert stub is not None
+        return stub
+
+    def _stub_for(self, message: Message, names: Mapping[str, str]) -> dict[str, Any] | None:
+        """What a cleared tool result is sent as: what was there, not what it said. Where
+        the cache cannot take new text in front of cached runs (llama-server), its first
+        words instead, a cut of the result the cache keeps as it is; None when none is."""
+        if message.id in self._stubs:
+            return self._stubs[message.id]
         call_id = message.tool_call_id or "?"
-        size = self.message_tokens([message])[0]
-        text = (
-            f"[result of {names.get(call_id, 'a tool')} ({call_id}) cleared to save room: "
-            f"{size} tokens, kept in the conversation's store]"
-        )
-        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": text}
+        stub: dict[str, Any] | None = {"role": "tool", "tool_call_id": message.tool_call_id}
+        if self.cache_edits == "in-place":
+            size = self.message_tokens([message])[0]
+            text = (
+                f"[result of {names.get(call_id, 'a tool')} ({call_id}) cleared to save room: "
+                f"{size} tokens, kept in the conversation's store]"
+            )
+        else:
+            text = self._first_words(message.content) or ""
+            if not text:
+                stub = None
+        if stub is not None:
+            stub["content"] = text
+        self._stubs[message.id] = stub
+        return stub
+
+    def _first_words(self, content: str) -> str | None:
+        """The longest start of ``content`` (up to ``STUB_CHARS`` characters, ending after a
+        letter or digit, where tokens split) that a cache holding the whole of it keeps as
+        it is (``Cutter.keeps``)."""
+        ends = [
+            m.end()
+            for m in _WORD_END.finditer(content, 0, STUB_CHARS)
+            if m.end() < len(content) - 1
+        ]
+        for end in sorted(ends, reverse=True)[:STUB_TRIES]:
+            if self._cutter.keeps("tool", content, content[:end]):
+                return content[:end]
+        return None
 
     def _window_tokens(
         self, messages: Sequence[Message], cleared: set[int], names: Mapping[str, str]
@@ -666,7 +714,9 @@ class ContextBuilder:
         results = [m for turn in turns for m in turn if m.role == "tool"]
         keep = max(0, s.tool_results_keep - sum(m.get("role") == "tool" for m in open_turn))
         old = results[: len(results) - keep] if keep else results
-        candidates = [m for m in old if m.id not in cleared]
+        candidates = [
+            m for m in old if m.id not in cleared and self._stub_for(m, names) is not None
+        ]
         newly: list[int] = []
         for m, n in zip(candidates, self.message_tokens(candidates), strict=True):
             if excess <= 0:

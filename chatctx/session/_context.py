@@ -121,6 +121,7 @@ class ConversationContext:
                 lookup=store.messages_by_ids,
                 recall=self._recall_search(settings),
                 layout=self._layout(settings),
+                cache_edits=getattr(self.engine, "cache_edits", "in-place"),
             )
             self._builder_settings = settings
         return self._builder
