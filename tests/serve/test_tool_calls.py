@@ -194,3 +194,50 @@ def test_bad_tool_requests_get_400_naming_the_field_and_store_nothing(
     assert refused.value.body["param"] == "messages[0].tool_call_id"  # type: ignore[index]
     with server.store() as store:
         assert len(store.messages(conversation)) == before
+
+
+def test_sigterm_between_the_calls_and_their_results_loses_nothing(
+    tmp_path: Path, embedder_path: Path
+) -> None:
+    # The server is stopped (SIGTERM: it drains) after the reply that calls, and a new one on
+    # the same database takes the results: the calls were stored with their turn.
+    model = write_tiny_llama3(tmp_path / "tiny-llama31.gguf", chat_template=LLAMA31_TOOLS_TEMPLATE)
+    env = {"CHATCTX_HOME": str(tmp_path / "home"), "CHATCTX_EMBEDDER": str(embedder_path)}
+    folder = tmp_path / "serve"
+    folder.mkdir()
+    options: Any = {
+        "model": "chatctx",
+        "tools": TOOLS,
+        "max_tokens": 60,
+        "seed": 2,
+        "extra_body": {"conversation": "agent-restart"},
+    }
+    first_server = ServerProcess(folder, model, "--n-ctx", "1024", "--slots", "2", env=env)
+    try:
+        first = _client(first_server).chat.completions.create(
+            messages=[{"role": "user", "content": "Where is E-5?"}],
+            tool_choice="required",
+            **options,
+        )
+    finally:
+        assert first_server.stop() == 0
+    calls = first.choices[0].message.tool_calls
+    assert calls
+    second_server = ServerProcess(folder, model, "--n-ctx", "1024", "--slots", "2", env=env)
+    try:
+        results: Any = [{"role": "tool", "tool_call_id": c.id, "content": "lost"} for c in calls]
+        second = _client(second_server).chat.completions.create(
+            messages=results, tool_choice="none", **options
+        )
+        assert second.choices[0].message.tool_calls is None
+        with second_server.store() as store:
+            history = store.messages("agent-restart")
+        assert [m.role for m in history] == [
+            "user",
+            "assistant",
+            *["tool"] * len(calls),
+            "assistant",
+        ]
+        assert [c["id"] for c in history[1].tool_calls or []] == [c.id for c in calls]
+    finally:
+        second_server.stop()
