@@ -18,30 +18,8 @@ import pytest
 from chatctx import ChatSession, ConfigError, Engine
 from chatctx.model.tools import GENERIC_INSTRUCTIONS
 from chatctx.testing import LLAMA31_TOOLS_TEMPLATE, write_tiny_llama3
+from tests.tool_schemas import LOOKUP, TICKET
 
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup_order",
-        "description": "Find a customer's order",
-        "parameters": {
-            "type": "object",
-            "properties": {"order_id": {"type": "string", "maxLength": 8}},
-            "required": ["order_id"],
-        },
-    },
-}
-TICKET = {
-    "type": "function",
-    "function": {
-        "name": "open_ticket",
-        "parameters": {
-            "type": "object",
-            "properties": {"priority": {"enum": [1, 2, 3]}},
-            "required": ["priority"],
-        },
-    },
-}
 TOOLS = [LOOKUP, TICKET]
 SAMPLING = {"max_tokens": 48, "seed": 5}
 

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from pydantic import ValidationError
 
@@ -59,7 +59,7 @@ from chatctx.model.tools import (
 )
 from chatctx.session._async import stream_in_thread
 from chatctx.session._context import ConversationContext, _Built, open_conversation
-from chatctx.session._tools import Ask, ask_for, open_turn
+from chatctx.session._tools import Ask, ToolOptions, ask_for, open_turn
 from chatctx.session._turn import Reply, TurnInFlight, store_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.store import Message, Store, Turn, TurnClaim
@@ -340,9 +340,7 @@ class ChatSession(Closeable):
         text: str,
         *,
         settings: Sampling = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        **options: Unpack[ToolOptions],
     ) -> Reply:
         """Send a user message and wait for the whole reply.
 
@@ -357,9 +355,7 @@ class ChatSession(Closeable):
         ``{"type": "function", "function": {"name": ...}}``; the last two hold the reply to
         a valid call with a grammar. ``parallel_tool_calls``: one reply may make several.
         """
-        ask = ask_for(
-            text, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
-        )
+        ask = ask_for(text, **options)
         return self._send(ask, settings)
 
     def submit_tool_results(
@@ -367,9 +363,7 @@ class ChatSession(Closeable):
         results: Mapping[str, Any],
         *,
         settings: Sampling = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        **options: Unpack[ToolOptions],
     ) -> Reply:
         """Continue the open turn with its calls' results (``{call id: output}``, an output
         that is not a string is sent as JSON) and wait for the next reply: text, or more
@@ -380,13 +374,7 @@ class ChatSession(Closeable):
         not waiting, or a waiting call without one, is a ``ConfigError`` naming it, and
         nothing is stored.
         """
-        ask = ask_for(
-            None,
-            results=results,
-            tools=self._tools_or_last(tools),
-            tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-        )
+        ask = self._results_ask(results, options)
         return self._send(ask, settings)
 
     def run_tools(
@@ -427,10 +415,11 @@ class ChatSession(Closeable):
             pass
         return _stored(replies)
 
-    def _tools_or_last(
-        self, tools: Sequence[Mapping[str, Any]] | None
-    ) -> Sequence[Mapping[str, Any]] | None:
-        return tools if tools is not None else self._last_tools
+    def _results_ask(self, results: Mapping[str, Any], options: ToolOptions) -> Ask:
+        """The results' ``Ask``, with the tools this session offered last unless given."""
+        if options.get("tools") is None:
+            options = {**options, "tools": self._last_tools}
+        return ask_for(None, results=results, **options)
 
     def waiting_tool_calls(self) -> list[dict[str, Any]]:
         """The calls of the open turn still waiting for a result (OpenAI-shaped), read from
@@ -443,9 +432,7 @@ class ChatSession(Closeable):
         text: str,
         *,
         settings: Sampling = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        **options: Unpack[ToolOptions],
     ) -> Generator[str, None, None]:
         """Send a user message and yield the reply as it is generated.
 
@@ -455,9 +442,7 @@ class ChatSession(Closeable):
         output that may be a call is held back; ``last_reply.tool_calls`` has the calls
         once the stream ends.
         """
-        ask = ask_for(
-            text, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
-        )
+        ask = ask_for(text, **options)
         return self._open_stream(ask, None, _settings_or_none(settings))
 
     def stream_tool_results(
@@ -465,18 +450,10 @@ class ChatSession(Closeable):
         results: Mapping[str, Any],
         *,
         settings: Sampling = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        **options: Unpack[ToolOptions],
     ) -> Generator[str, None, None]:
         """``submit_tool_results``, yielding the reply as it is generated."""
-        ask = ask_for(
-            None,
-            results=results,
-            tools=self._tools_or_last(tools),
-            tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-        )
+        ask = self._results_ask(results, options)
         return self._open_stream(ask, None, _settings_or_none(settings))
 
     async def asend(
@@ -484,14 +461,10 @@ class ChatSession(Closeable):
         text: str,
         *,
         settings: Sampling = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        **options: Unpack[ToolOptions],
     ) -> Reply:
         """``send`` for asyncio: the turn runs in a worker thread, batched with the others."""
-        ask = ask_for(
-            text, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
-        )
+        ask = ask_for(text, **options)
         return await self.asend_ask(ask, settings=settings)
 
     async def asubmit_tool_results(
@@ -499,18 +472,10 @@ class ChatSession(Closeable):
         results: Mapping[str, Any],
         *,
         settings: Sampling = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        **options: Unpack[ToolOptions],
     ) -> Reply:
         """``submit_tool_results`` for asyncio."""
-        ask = ask_for(
-            None,
-            results=results,
-            tools=self._tools_or_last(tools),
-            tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-        )
+        ask = self._results_ask(results, options)
         return await self.asend_ask(ask, settings=settings)
 
     async def asend_ask(self, ask: Ask, *, settings: Sampling = None) -> Reply:
@@ -526,9 +491,7 @@ class ChatSession(Closeable):
         *,
         before: Callable[[], None] | None = None,
         settings: Sampling = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        **options: Unpack[ToolOptions],
     ) -> AsyncIterator[str]:
         """``stream`` for asyncio: ``async for chunk in chat.astream(text)``.
 
@@ -540,16 +503,7 @@ class ChatSession(Closeable):
         raised here, and the turn is then not started. ``settings`` and the tool arguments:
         as for ``send``; ``text`` may be an ``Ask`` (``ask_for``) with tool results.
         """
-        ask = (
-            text
-            if isinstance(text, Ask)
-            else ask_for(
-                text,
-                tools=tools,
-                tool_choice=tool_choice,
-                parallel_tool_calls=parallel_tool_calls,
-            )
-        )
+        ask = text if isinstance(text, Ask) else ask_for(text, **options)
         return self._astream(ask, None, before, _settings_or_none(settings))
 
     def _astream(

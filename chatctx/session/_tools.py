@@ -11,11 +11,19 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from chatctx.errors import ConfigError
 from chatctx.model.tools import ToolChoice, check_tool_choice, check_tools
 from chatctx.store import Message
+
+
+class ToolOptions(TypedDict, total=False):
+    """The tool arguments every way of sending a turn takes (``ChatSession.send`` ...)."""
+
+    tools: Sequence[Mapping[str, Any]] | None  # OpenAI function tools
+    tool_choice: Any  # "auto", "none", "required" or {"type": "function", "function": {...}}
+    parallel_tool_calls: bool  # one reply may make several calls (default True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,20 +17,9 @@ from chatctx import ChatSession, Engine
 from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess
 from chatctx.testing import LLAMA31_TOOLS_TEMPLATE, write_tiny_llama3
 from tests.llama_server.conftest import start_server
+from tests.tool_schemas import LOOKUP
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "lookup_order",
-            "parameters": {
-                "type": "object",
-                "properties": {"order_id": {"type": "string", "maxLength": 8}},
-                "required": ["order_id"],
-            },
-        },
-    }
-]
+TOOLS = [LOOKUP]
 SAMPLING = {"max_tokens": 60, "seed": 9}
 
 

@@ -15,19 +15,8 @@ import pytest
 
 from chatctx.testing import LLAMA31_TOOLS_TEMPLATE, write_tiny_llama3
 from tests.serve.conftest import ServerProcess
+from tests.tool_schemas import LOOKUP
 
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup_order",
-        "description": "Find a customer's order",
-        "parameters": {
-            "type": "object",
-            "properties": {"order_id": {"type": "string", "maxLength": 8}},
-            "required": ["order_id"],
-        },
-    },
-}
 TOOLS: Any = [LOOKUP]
 SYSTEM = "You are a support agent."
 
