@@ -276,3 +276,34 @@ def test_a_turn_whose_backend_fails_before_its_first_token_runs_on_another(
         flaky.cut = False
         router.check()
         assert {s["backend"]: s["state"] for s in router.stats()}["flaky"] == "up"
+
+
+def test_calls_made_on_a_backend_lost_before_their_results_are_answered_on_another(
+    engines: dict[str, Engine], db_url: str
+) -> None:
+    # An agent's turn is open across the loss: the calls were stored with their turn, and
+    # the results continue it on the backend the router moves the conversation to.
+    from tests.tool_schemas import LOOKUP
+
+    sampling = {"max_tokens": 120, "seed": 4}
+    with (
+        Store(db_url) as store,
+        Router(engines, store=store, health_interval=None) as router,
+        ChatSession.open(store, conversation_id="agent", model=router, settings=sampling) as chat,
+    ):
+        # The tiny model's plain template: the generic call format, held by its grammar.
+        reply = chat.send(
+            "Where is A-1?", tools=[LOOKUP], tool_choice="required", parallel_tool_calls=False
+        )
+        assert len(reply.tool_calls) == 1, reply.text
+        first = router.placement("agent")
+        assert first is not None
+        engines[first].close()
+        final = chat.submit_tool_results({c.id: "shipped" for c in reply.tool_calls})
+        turns = store.turns("agent")
+        assert turns[-1].backend not in (None, first)
+        assert turns[-1].reprefill_reason is not None
+        assert turns[-1].reprefill_reason.startswith("failover: moved from")
+        roles = [m.role for m in store.messages("agent")]
+        assert roles[:2] == ["user", "assistant"] and roles.count("tool") == len(reply.tool_calls)
+        assert final.message_id is not None and chat.waiting_tool_calls() == []
