@@ -77,6 +77,8 @@ class ToolCallIn(_Strict):
     id: str = Field(min_length=1, max_length=200)
     type: Literal["function"] = "function"
     function: FunctionCall
+    # A streamed call's position, which clients assembling deltas keep: accepted, not stored.
+    index: int | None = Field(None, ge=0)
 
 
 class ChatMessage(_Strict):
@@ -93,7 +95,7 @@ class ChatMessage(_Strict):
         """The message as the store keeps it."""
         out: dict[str, Any] = {"role": self.stored_role, "content": self.text(), "name": self.name}
         if self.tool_calls:
-            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            out["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out

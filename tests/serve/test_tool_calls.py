@@ -122,16 +122,30 @@ def test_streamed_calls_equal_the_same_request_answered_whole(server: ServerProc
     assert _calls(whole.choices[0].message)
 
 
-def test_stateless_tool_loop_with_the_whole_history(server: ServerProcess) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_stateless_tool_loop_with_the_whole_history(server: ServerProcess, stream: bool) -> None:
     client = _client(server)
     asked: Any = [{"role": "user", "content": "Where is B-2?"}]
     options: Any = {"model": "chatctx", "tools": TOOLS, "max_tokens": 60, "seed": 5}
-    first = client.chat.completions.create(messages=asked, tool_choice="required", **options)
+    if stream:
+        with client.chat.completions.stream(
+            messages=asked,
+            tool_choice="required",
+            stream_options={"include_usage": True},
+            **options,
+        ) as events:
+            first: Any = events.get_final_completion()
+    else:
+        first = client.chat.completions.create(messages=asked, tool_choice="required", **options)
     message = first.choices[0].message
-    assert message.tool_calls
+    assert message.tool_calls and first.choices[0].finish_reason == "tool_calls"
     history: Any = [
         *asked,
-        message.model_dump(exclude_none=True),
+        {
+            "role": "assistant",
+            "content": message.content,
+            "tool_calls": [c.model_dump(exclude_none=True) for c in message.tool_calls],
+        },
         *[
             {"role": "tool", "tool_call_id": c.id, "content": "in the depot"}
             for c in message.tool_calls
@@ -139,7 +153,11 @@ def test_stateless_tool_loop_with_the_whole_history(server: ServerProcess) -> No
     ]
     second = client.chat.completions.create(messages=history, tool_choice="none", **options)
     assert second.choices[0].message.tool_calls is None
-    assert second.usage is not None and second.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    # Stateless: nothing of either request stays in the database.
+    with server.store() as store:
+        assert not [c for c in store.list_conversations() if c.id.startswith("stateless-")]
 
 
 def test_bad_tool_requests_get_400_naming_the_field_and_store_nothing(
