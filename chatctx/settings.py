@@ -366,7 +366,13 @@ class Limits(_Model):
     max_message_chars: int = Field(
         32_000, ge=1, description="Longest message content, in characters."
     )
-    max_messages: int = Field(64, ge=1, description="Most messages in one request.")
+    max_messages: int | None = Field(
+        None,
+        ge=1,
+        description="Most messages in one request; None: no count (the body's size bounds a "
+        "request, 413, and a stateless history longer than the budget is fitted to it: whole "
+        "turns dropped from the front).",
+    )
     max_concurrent_turns: int = Field(
         8,
         ge=1,

@@ -332,6 +332,9 @@ class _Turn:
                 and reply.stop_reason not in ("eog", "length")
             ),
             "turn_id": turn.id if turn is not None else None,
+            # What of the history was sent: a stateless one longer than the budget is trimmed.
+            "kept_messages": len(reply.plan.kept_ids) if reply and reply.plan else None,
+            "evicted_messages": len(reply.plan.evicted_ids) if reply and reply.plan else None,
             "evaluated_tokens": turn.evaluated_tokens if turn is not None else None,
             "ttft_ms": turn.ttft_ms if turn is not None else None,
             "slot": turn.slot if turn is not None else None,
@@ -406,7 +409,7 @@ async def _open_turn(
     arrived = time.perf_counter()
     store, backend = service.require_ready()
     limits = service.config.limits
-    if len(request.messages) > limits.max_messages:
+    if limits.max_messages is not None and len(request.messages) > limits.max_messages:
         raise APIError(
             400,
             f"at most {limits.max_messages} messages per request",
