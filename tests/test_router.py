@@ -299,7 +299,9 @@ def test_calls_made_on_a_backend_lost_before_their_results_are_answered_on_anoth
         first = router.placement("agent")
         assert first is not None
         engines[first].close()
-        final = chat.submit_tool_results({c.id: "shipped" for c in reply.tool_calls})
+        final = chat.submit_tool_results(
+            {c.id: "shipped" for c in reply.tool_calls}, tool_choice="none"
+        )
         turns = store.turns("agent")
         assert turns[-1].backend not in (None, first)
         assert turns[-1].reprefill_reason is not None

@@ -161,6 +161,31 @@ def test_parallel_calls_in_the_generic_format(db_url: str, llama3_engine: Engine
         assert GENERIC_INSTRUCTIONS in prompt and '"name": "open_ticket"' in prompt
 
 
+def test_auto_in_the_generic_format_answers_in_json_the_parser_reads(
+    db_url: str, llama3_engine: Engine
+) -> None:
+    # A template without tool support: auto holds the reply to the generic JSON answer, so
+    # even a random-weight model writes calls or a response the parser reads (the oracle:
+    # the format's documentation, as the parser tests read it), unless cut by max_tokens.
+    ended = 0
+    for seed in range(4):
+        with ChatSession.open(
+            db_url, model=llama3_engine, settings={"max_tokens": 300, "seed": seed}
+        ) as chat:
+            reply = chat.send("hello, where is my order?", tools=TOOLS)
+            if reply.stop_reason != "eog":
+                continue
+            ended += 1
+            assert reply.warning is None, reply.text
+            for call in reply.tool_calls:
+                _valid(call)
+            stored = chat.history()[-1]
+            assert stored.content == reply.text and (stored.tool_calls or None) == (
+                [c.to_openai() for c in reply.tool_calls] or None
+            )
+    assert ended  # the grammar lets a reply end
+
+
 def test_tool_choice_none_reads_no_calls(db_url: str, llama31_engine: Engine) -> None:
     with ChatSession.open(db_url, model=llama31_engine, settings=SAMPLING) as chat:
         reply = chat.send("hi", tools=TOOLS, tool_choice="none")

@@ -324,7 +324,8 @@ def generic_messages(
 ) -> list[dict[str, Any]]:
     """``messages`` for a template with no tool support: the tools and how to call them in
     the system turn, earlier calls as the JSON answer that made them, results as user turns
-    holding ``{"tool_response": ...}``. Unchanged when nothing in them is about tools.
+    holding ``{"tool_response": ...}``, and with tools offered, earlier answers as the
+    ``{"response": ...}`` the model wrote them as. Unchanged when nothing in them is about tools.
     ``escape`` writes JSON (the template's, so special-token text never appears)."""
     if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         return [dict(m) for m in messages]
@@ -342,6 +343,9 @@ def generic_messages(
                 for call in message["tool_calls"]
             ]
             out.append({"role": "assistant", "content": escape({"tool_calls": calls})})
+        elif role == "assistant" and tools and isinstance(message.get("content"), str):
+            # An answer, as the grammar of ``tool_choice`` auto has the model write it.
+            out.append({"role": "assistant", "content": escape({"response": message["content"]})})
         elif role == "tool":
             response = {
                 "tool_call_id": message.get("tool_call_id"),
@@ -480,7 +484,19 @@ def call_grammar(
     parallel: bool = True,
 ) -> CallGrammar | None:
     """The grammar that makes every sampled reply a valid call when ``choice`` requires one
-    (``"required"`` or a function's name); None when the model is free to answer in text."""
+    (``"required"`` or a function's name); None when the model is free to answer in text.
+    In the generic format (a template with no tool support) ``"auto"`` holds the reply to
+    the JSON answer too, calls or ``{"response": ...}``, as llama.cpp does: a model never
+    trained on calls writes them valid, or says why it does not call."""
+    if choice == "auto" and fmt == "generic" and tools:
+        calls = call_schema(tools, fmt, parallel=parallel)
+        answer = {
+            "type": "object",
+            "properties": {"response": {"type": "string"}},
+            "required": ["response"],
+            "additionalProperties": False,
+        }
+        return CallGrammar({"anyOf": [calls, answer]})
     if choice in ("auto", "none") or not tools:
         return None
     name = None if choice == "required" else choice

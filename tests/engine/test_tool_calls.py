@@ -430,8 +430,13 @@ def test_a_required_call_without_parallel_calls_is_one_call_in_the_generic_forma
     grammar = call_grammar(TOOLS, "generic", "required", parallel=False)
     assert grammar is not None
     assert grammar.schema["properties"]["tool_calls"]["maxItems"] == 1
-    assert call_grammar(TOOLS, "generic", "auto") is None
+    assert call_grammar(TOOLS, "llama3", "auto") is None  # free text, read after
     assert call_grammar(TOOLS, "llama3", "none") is None
+    assert call_grammar(TOOLS, "generic", "none") is None
+    # The generic format's auto: the JSON answer, calls or a response, as llama.cpp holds it.
+    answer = call_grammar(TOOLS, "generic", "auto")
+    assert answer is not None and len(answer.schema["anyOf"]) == 2
+    assert answer.schema["anyOf"][1]["required"] == ["response"]
     named = call_grammar(TOOLS, "hermes", "open_ticket")
     assert named is not None and named.open.startswith("<tool_call>") and named.repeat
     assert named.schema["properties"]["name"] == {"const": "open_ticket"}
