@@ -514,9 +514,10 @@ class ReplyFilter:
 
     A call must not reach the reader as text, so output that may be one is held back: a
     Llama 3 reply that opens with JSON (or ``<|python_tag|>``), everything from a Hermes
-    ``<tool_call>`` on, and all of a generic JSON answer (its ``response`` is shown when it is
-    complete). ``feed`` returns the text to show now, ``finish`` the parsed reply and the rest
-    of its content. What was shown is always the start of the parsed reply's content.
+    ``<tool_call>`` on, and a generic JSON answer until it is known to be a ``response``,
+    whose string is then shown as it comes, decoded. ``feed`` returns the text to show now,
+    ``finish`` the parsed reply and the rest of its content. What was shown is always the
+    start of the parsed reply's content.
     """
 
     def __init__(
@@ -534,6 +535,7 @@ class ReplyFilter:
         self._ids = ids
         self._text = ""
         self._shown = 0  # characters of _text shown
+        self._out = ""  # what was shown, as shown
         self._plain = not self.reading  # known to be text to its end
 
     def feed(self, chunk: str) -> str:
@@ -562,16 +564,25 @@ class ReplyFilter:
                 0,
             )
             return self._show(len(self._text) - keep)
-        body = self._text.lstrip()  # generic: prose after all, or a JSON answer held whole
+        body = self._text.lstrip()  # generic: prose after all, or a JSON answer
         if body and not body.startswith("{"):
             self._plain = True
             return self._show(len(self._text))
-        return ""
+        started = _RESPONSE_START.match(self._text)
+        if started is None:
+            return ""
+        text = _string_so_far(self._text[started.end() :])
+        if not text.startswith(self._out):
+            return ""
+        new = text[len(self._out) :]
+        self._out = text
+        return new
 
     def _show(self, upto: int) -> str:
         if upto <= self._shown:
             return ""
         out, self._shown = self._text[self._shown : upto], upto
+        self._out += out
         return out
 
     def finish(self) -> tuple[ParsedReply, str]:
@@ -579,8 +590,37 @@ class ReplyFilter:
         if not self.reading:
             return ParsedReply(content=self._text), self._show(len(self._text))
         parsed = parse_tool_calls(self._text, self.fmt, self.tools, ids=self._ids)
-        shown = self._text[: self._shown]
+        shown = self._out
         for start in (shown, shown.strip()):  # Hermes' content is stripped of spaces
             if parsed.content.startswith(start):
                 return parsed, parsed.content[len(start) :]
         return parsed, ""
+
+
+_RESPONSE_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+
+
+def _string_so_far(body: str) -> str:
+    """The decoded start of a JSON string's body being written: up to its closing quote, or
+    to the last whole character (an escape or a surrogate pair is never shown half)."""
+    at, end = 0, len(body)
+    while at < len(body):
+        char = body[at]
+        if char == '"':
+            end = at
+            break
+        if char == "\\":
+            size = 6 if body[at + 1 : at + 2] == "u" else 2
+            if at + size > len(body):
+                end = at
+                break
+            at += size
+            continue
+        at += 1
+    try:
+        text: str = json.loads(f'"{body[:end]}"', strict=False)
+    except ValueError:
+        return ""
+    if text and "\ud800" <= text[-1] <= "\udbff":  # a surrogate pair's first half
+        text = text[:-1]
+    return text

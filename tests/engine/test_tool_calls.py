@@ -461,8 +461,29 @@ def test_a_required_call_without_parallel_calls_is_one_call_in_the_generic_forma
             1,
         ),
         ("hermes", ["Sure, <to", "day is fine."], "Sure, <today is fine.", None, 0),
-        # Generic: the JSON answer is held whole; its response is the content.
-        ("generic", ['{"response": ', '"It ships today."}'], "", "It ships today.", 0),
+        # Generic: a JSON answer is held until it is a response, whose string then streams
+        # decoded (an escape split between chunks is shown whole); calls never show.
+        (
+            "generic",
+            ['{"response": ', '"It ships today."}'],
+            "It ships today.",
+            "It ships today.",
+            0,
+        ),
+        (
+            "generic",
+            ['{"response": "Caf', "\\u00", 'e9 \\"ok', '\\""}'],
+            'Café "ok"',
+            'Café "ok"',
+            0,
+        ),
+        (
+            "generic",
+            ['{"tool_calls": [{"name": "lookup_order", ', '"arguments": {}, "id": "call_1"}]}'],
+            "",
+            "",
+            1,
+        ),
         ("generic", ["It ", "ships."], "It ships.", None, 0),
     ],
 )
