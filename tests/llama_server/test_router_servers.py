@@ -277,7 +277,14 @@ def test_a_busy_server_that_times_out_a_turn_keeps_its_conversations(
                 target=httpx.post,
                 args=(f"{busy}/completion",),
                 kwargs={
-                    "json": {"prompt": "Count: 1, 2, 3,", "n_predict": 200, "id_slot": 0},
+                    # All 200 tokens: a reply that ended early at EOS freed the slot before
+                    # the turn's 1 s ran out (seen once in CI).
+                    "json": {
+                        "prompt": "Count: 1, 2, 3,",
+                        "n_predict": 200,
+                        "id_slot": 0,
+                        "ignore_eos": True,
+                    },
                     "timeout": 120,
                 },
             )
