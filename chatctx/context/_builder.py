@@ -11,7 +11,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
@@ -307,7 +307,9 @@ class ContextBuilder:
         window = [m for m in history if m.position >= state.window_start and m.id not in pinned_ids]
         turns = group_turns(window)
         cleared = set(state.cleared_ids)  # tool results sent as a stub
-        names = _call_names([*(m.to_openai() for m in window), *open_turn])
+        names = _call_names(
+            [*(m.tool_calls for m in window), *(m.get("tool_calls") for m in open_turn)]
+        )
         new = [{"role": "user", "content": new_message}, *map(dict, open_turn)]
 
         def count(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -965,11 +967,11 @@ class ContextBuilder:
         return sections, at if history_start is None else history_start
 
 
-def _call_names(messages: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """Each call id's function name, from the assistant messages that made the calls."""
+def _call_names(calls: Iterable[Sequence[Any] | None]) -> dict[str, str]:
+    """Each call id's function name, from the ``tool_calls`` of the messages that made them."""
     names: dict[str, str] = {}
-    for message in messages:
-        for call in message.get("tool_calls") or ():
+    for made in calls:
+        for call in made or ():
             function = call.get("function") if isinstance(call, Mapping) else None
             if isinstance(function, Mapping) and isinstance(call.get("id"), str):
                 names[call["id"]] = str(function.get("name"))

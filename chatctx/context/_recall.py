@@ -8,6 +8,7 @@ prefix stays valid and only the recalled tokens are new; the next turn drops the
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -387,8 +388,10 @@ MAX_JSON_ITEMS = 2000  # values of one JSON text cut into items (the rest are le
 JSON_LINES = 4  # most values of one JSON result recalled together
 
 
-def _json_items(text: str) -> list[str] | None:
-    """The values of a JSON object or array as ``path: value`` lines; None for other text."""
+@functools.lru_cache(maxsize=256)
+def _json_items(text: str) -> tuple[str, ...] | None:
+    """The values of a JSON object or array as ``path: value`` lines; None for other text.
+    Cached: a recalled result is cut by the search, the pick and the fit alike."""
     body = text.strip()
     if not body.startswith(("{", "[")):
         return None
@@ -417,7 +420,7 @@ def _json_items(text: str) -> list[str] | None:
             out.append(" ".join(f"{path}: {json.dumps(node)}".split()))
 
     walk(value, "")
-    return out or None
+    return tuple(out) or None
 
 
 def snippet(text: str, query: str) -> list[tuple[int, str]]:

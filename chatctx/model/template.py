@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from chatctx.errors import ModelError
-from chatctx.model.tools import ToolFormat, generic_messages, tool_format
+from chatctx.model.tools import ToolFormat, arguments_value, generic_messages, tool_format
 
 logger = logging.getLogger("chatctx.template")
 
@@ -95,10 +95,7 @@ def _arguments_as_objects(message: Mapping[str, Any]) -> Mapping[str, Any]:
         function = call.get("function") if isinstance(call, Mapping) else None
         arguments = function.get("arguments") if isinstance(function, Mapping) else None
         if isinstance(function, Mapping) and isinstance(arguments, str):
-            try:
-                value = json.loads(arguments, strict=False)
-            except ValueError:
-                value = None
+            value = arguments_value(arguments)
             if isinstance(value, dict):
                 call = {**call, "function": {**function, "arguments": value}}
         out.append(call)
@@ -134,6 +131,7 @@ class ChatTemplate:
         self.name = name
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._tool_format = tool_format(source)  # read once: asked on every agent turn
 
     def protect(self, specials: Iterable[str]) -> None:
         """The model's special-token texts: JSON the template writes (tool schemas, calls'
@@ -164,7 +162,7 @@ class ChatTemplate:
     @property
     def tool_format(self) -> ToolFormat:
         """How this template's model writes tool calls (``chatctx.model.tools``)."""
-        return tool_format(self.source)
+        return self._tool_format
 
     def render(
         self,

@@ -40,6 +40,7 @@ __all__ = [
     "ToolCall",
     "ToolChoice",
     "ToolFormat",
+    "arguments_value",
     "call_grammar",
     "call_schema",
     "check_tool_choice",
@@ -337,7 +338,7 @@ def generic_messages(
             calls = [
                 {
                     "name": call.get("function", {}).get("name"),
-                    "arguments": _loaded(call.get("function", {}).get("arguments")),
+                    "arguments": arguments_value(call.get("function", {}).get("arguments")),
                     "id": call.get("id"),
                 }
                 for call in message["tool_calls"]
@@ -364,8 +365,9 @@ def generic_messages(
     return out
 
 
-def _loaded(arguments: Any) -> Any:
-    """Arguments as a value: OpenAI sends them as JSON text."""
+def arguments_value(arguments: Any) -> Any:
+    """A call's arguments as a value (OpenAI sends them as JSON text; text that is not JSON
+    stays as it is)."""
     if isinstance(arguments, str):
         try:
             return json.loads(arguments, strict=False)
@@ -535,24 +537,27 @@ class ReplyFilter:
         self._ids = ids
         self._text = ""
         self._shown = 0  # characters of _text shown
-        self._out = ""  # what was shown, as shown
         self._plain = not self.reading  # known to be text to its end
+        self._held = False  # known to be a call (or past its shown part) to its end
+        # A generic answer's response string: where its undecoded rest begins in _text, and
+        # what of it was shown, decoded. None: not (yet) known to be one.
+        self._raw: int | None = None
+        self._decoded = ""
 
     def feed(self, chunk: str) -> str:
+        """The text to show now. Each step looks at what ``chunk`` added, not at all of the
+        reply again: long replies stream at the same cost per token."""
         self._text += chunk
         if self._plain:
             return self._show(len(self._text))
-        if self.fmt == "llama3":
-            body = self._text.lstrip()
-            if not body:
-                return ""
-            if body.startswith(("{", "[", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body):
-                return ""
-            self._plain = True
-            return self._show(len(self._text))
+        if self._raw is not None:
+            return self._more_response()
+        if self._held:
+            return ""
         if self.fmt == "hermes":
-            at = self._text.find(_HERMES_OPEN)
+            at = self._text.find(_HERMES_OPEN, max(0, self._shown - len(_HERMES_OPEN)))
             if at >= 0:
+                self._held = True
                 return self._show(at)
             # Hold back what may be the start of an opening tag.
             keep = next(
@@ -564,33 +569,69 @@ class ReplyFilter:
                 0,
             )
             return self._show(len(self._text) - keep)
-        body = self._text.lstrip()  # generic: prose after all, or a JSON answer
-        if body and not body.startswith("{"):
-            self._plain = True
-            return self._show(len(self._text))
-        started = _RESPONSE_START.match(self._text)
-        if started is None:
+        body = self._text.lstrip()  # short: only until the reply's kind is known
+        if not body:
             return ""
-        text = _string_so_far(self._text[started.end() :])
-        if not text.startswith(self._out):
-            return ""
-        new = text[len(self._out) :]
-        self._out = text
-        return new
+        if self.fmt == "llama3":
+            if body.startswith(("{", "[", _PYTHON_TAG)):
+                self._held = True
+                return ""
+            if _PYTHON_TAG.startswith(body):
+                return ""
+        elif body.startswith("{"):  # generic: a JSON answer, a response or calls
+            key = _FIRST_KEY.match(self._text)
+            if key is None:
+                return ""
+            if key.group(1) != "response" or not (start := _RESPONSE_START.match(self._text)):
+                self._held = key.group(1) != "response"
+                return ""
+            self._raw = start.end()
+            return self._more_response()
+        self._plain = True  # prose
+        return self._show(len(self._text))
 
     def _show(self, upto: int) -> str:
         if upto <= self._shown:
             return ""
         out, self._shown = self._text[self._shown : upto], upto
-        self._out += out
         return out
+
+    def _more_response(self) -> str:
+        """The response string's characters written since the last step, decoded (an escape
+        or a surrogate pair is never shown half; nothing after the closing quote)."""
+        text, at = self._text, self._raw
+        assert at is not None
+        end, closed = at, False
+        while end < len(text):
+            char = text[end]
+            if char == '"':
+                closed = True
+                break
+            if char == "\\":
+                size = 6 if text[end + 1 : end + 2] == "u" else 2
+                if end + size > len(text):
+                    break
+                end += size
+                continue
+            end += 1
+        if not closed and _HIGH_SURROGATE.search(text, at, end):
+            end -= 6  # wait for the pair's second half
+        try:
+            new: str = json.loads(f'"{text[at:end]}"', strict=False)
+        except ValueError:  # not JSON after all: the parse at the end says so
+            self._raw, self._held = None, True
+            return ""
+        self._raw = None if closed else end
+        self._held = closed
+        self._decoded += new
+        return new
 
     def finish(self) -> tuple[ParsedReply, str]:
         """The whole output parsed, and the content not yet shown."""
         if not self.reading:
             return ParsedReply(content=self._text), self._show(len(self._text))
         parsed = parse_tool_calls(self._text, self.fmt, self.tools, ids=self._ids)
-        shown = self._out
+        shown = self._decoded if self._decoded else self._text[: self._shown]
         for start in (shown, shown.strip()):  # Hermes' content is stripped of spaces
             if parsed.content.startswith(start):
                 return parsed, parsed.content[len(start) :]
@@ -598,29 +639,5 @@ class ReplyFilter:
 
 
 _RESPONSE_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')
-
-
-def _string_so_far(body: str) -> str:
-    """The decoded start of a JSON string's body being written: up to its closing quote, or
-    to the last whole character (an escape or a surrogate pair is never shown half)."""
-    at, end = 0, len(body)
-    while at < len(body):
-        char = body[at]
-        if char == '"':
-            end = at
-            break
-        if char == "\\":
-            size = 6 if body[at + 1 : at + 2] == "u" else 2
-            if at + size > len(body):
-                end = at
-                break
-            at += size
-            continue
-        at += 1
-    try:
-        text: str = json.loads(f'"{body[:end]}"', strict=False)
-    except ValueError:
-        return ""
-    if text and "\ud800" <= text[-1] <= "\udbff":  # a surrogate pair's first half
-        text = text[:-1]
-    return text
+_FIRST_KEY = re.compile(r'\s*\{\s*"([^"\\]*)"')
+_HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")

@@ -41,7 +41,7 @@ from chatctx.serve._schemas import (
 from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateless_owner
 from chatctx.serve._tenants import Tenant
 from chatctx.serve._turn import Cut, TurnRun
-from chatctx.session import ChatSession, ask_for, open_turn
+from chatctx.session import ChatSession, ask_for, check_results, open_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.store import Store
 
@@ -148,37 +148,6 @@ def _results_plan(
     )
 
 
-def _check_results(plan: _Plan, waiting: list[str] | None) -> None:
-    """Every call ``waiting`` answered once by the plan's results, nothing else; or a 400
-    naming the message."""
-    if waiting is None:
-        raise APIError(
-            400,
-            "no tool calls are waiting for results in this conversation",
-            param=f"messages[{plan.results[0][0]}]",
-            code="invalid_value",
-        )
-    seen: set[str] = set()
-    for index, call_id, _ in plan.results:
-        if call_id not in waiting or call_id in seen:
-            why = "answered twice" if call_id in seen else "not a call waiting for its result"
-            raise APIError(
-                400,
-                f"tool_call_id {call_id!r} is {why}",
-                param=f"messages[{index}].tool_call_id",
-                code="invalid_value",
-            )
-        seen.add(call_id)
-    missing = [call_id for call_id in waiting if call_id not in seen]
-    if missing:
-        raise APIError(
-            400,
-            f"no result for tool call(s) {', '.join(missing)}",
-            param="messages",
-            code="invalid_value",
-        )
-
-
 def _generation(request: ChatCompletionRequest) -> GenerationSettings:
     try:
         return GenerationSettings.model_validate(request.generation_overrides())
@@ -238,8 +207,13 @@ def _apply(
             waiting = plan.calls
         else:
             turn = open_turn(store.last_turn(cid))
-            waiting = [c["id"] for c in turn.waiting] if turn is not None else None
-        _check_results(plan, waiting)
+            waiting = turn.waiting_ids if turn is not None else None
+        check_results(
+            waiting,
+            [call_id for _, call_id, _ in plan.results],
+            where=lambda i: f"messages[{plan.results[i][0]}]",
+            whole="messages",
+        )
     if not new and system_prompt is not None and system_prompt != conversation.system_prompt:
         store.update_conversation(cid, system_prompt=system_prompt)
     if earlier:

@@ -59,7 +59,7 @@ from chatctx.model.tools import (
 )
 from chatctx.session._async import stream_in_thread
 from chatctx.session._context import ConversationContext, _Built, open_conversation
-from chatctx.session._tools import Ask, ToolOptions, ask_for, open_turn
+from chatctx.session._tools import Ask, ToolOptions, ask_for, check_results, open_turn
 from chatctx.session._turn import Reply, TurnInFlight, store_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.store import Message, Store, Turn, TurnClaim
@@ -733,15 +733,17 @@ class ChatSession(Closeable):
     ) -> _Built:
         """``_prepare`` for a user message or the open turn's tool results (checked against
         the calls waiting for them: the turn then continues on its stored user message)."""
-        fmt = self.engine.codec().tool_format
-        turn.grammar = call_grammar(ask.by_name, fmt, ask.choice, parallel=ask.parallel)
+        if ask.by_name:
+            fmt = self.engine.codec().tool_format
+            turn.grammar = call_grammar(ask.by_name, fmt, ask.choice, parallel=ask.parallel)
         if ask.text is not None:
             return self._prepare(ask.text, sampling, tools=ask.tools)
         self._check_open()
         waiting = open_turn(self.store.last_turn(self.conversation_id))
-        if waiting is None:
-            raise ConfigError("no tool calls are waiting for results in this conversation")
-        waiting.check(ask.results)
+        check_results(
+            waiting.waiting_ids if waiting is not None else None, [i for i, _ in ask.results]
+        )
+        assert waiting is not None
         turn.user = waiting.user
         rest = [m.to_openai() for m in waiting.rest] + ask.result_messages()
         return self._prepare(
@@ -839,9 +841,13 @@ class ChatSession(Closeable):
                 except BackendUnavailable as exc:
                     lost = exc
             failure: BaseException | None = None
-            assert turn.ask is not None
-            shown = ReplyFilter(
-                self.engine.codec().tool_format, turn.ask.by_name, reading=turn.ask.reads_calls
+            ask = turn.ask
+            assert ask is not None
+            # Output that may be a call is held back; a turn without tools streams as is.
+            shown = (
+                ReplyFilter(self.engine.codec().tool_format, ask.by_name)
+                if ask.reads_calls
+                else None
             )
             try:
                 while True:
@@ -853,18 +859,20 @@ class ChatSession(Closeable):
                         for chunk in turn.stream:
                             turn.yielded = True
                             self._turn_under_way.set()  # the first token is out
-                            if text := shown.feed(chunk):
+                            if shown is None:
+                                yield chunk
+                            elif text := shown.feed(chunk):
                                 yield text
                         break
                     except BackendUnavailable as exc:
                         if turn.yielded or turn.failovers >= MAX_FAILOVERS:
                             raise
                         lost = exc
-                parsed, rest = shown.finish()
-                if turn.ask.reads_calls:
-                    turn.parsed = parsed if turn.ask.parallel else parsed.first_call_only()
-                if rest:
-                    yield rest
+                if shown is not None:
+                    parsed, rest = shown.finish()
+                    turn.parsed = parsed if ask.parallel else parsed.first_call_only()
+                    if rest:
+                        yield rest
             except GeneratorExit:  # the reader let go: the reply so far is stored
                 raise
             except BaseException as exc:

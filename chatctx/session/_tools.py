@@ -9,7 +9,7 @@ message of the turn, and the turn goes on when the caller sends every call's res
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -99,22 +99,46 @@ class OpenTurn:
     rest: list[Message]
     waiting: list[dict[str, Any]]  # OpenAI-shaped calls, in the order the model made them
 
-    def check(self, results: Sequence[tuple[str, str]]) -> None:
-        """Every waiting call answered once, nothing else: or ``ConfigError`` naming it."""
-        waiting = [call["id"] for call in self.waiting]
-        seen: set[str] = set()
-        for call_id, _ in results:
-            if call_id not in waiting:
-                raise ConfigError(
-                    f"tool_call_id {call_id!r} is not a call waiting for its result "
-                    f"(waiting: {', '.join(waiting)})"
-                )
-            if call_id in seen:
-                raise ConfigError(f"tool_call_id {call_id!r} has two results")
-            seen.add(call_id)
-        missing = [call_id for call_id in waiting if call_id not in seen]
-        if missing:
-            raise ConfigError(f"no result for tool call(s) {', '.join(missing)}")
+    @property
+    def waiting_ids(self) -> list[str]:
+        return [call["id"] for call in self.waiting]
+
+
+def check_results(
+    waiting: Sequence[str] | None,
+    answered: Sequence[str],
+    *,
+    where: Callable[[int], str | None] = lambda i: None,
+    whole: str | None = None,
+) -> None:
+    """Every call ``waiting`` (None: no turn is open) answered once by ``answered`` (call
+    ids), nothing else; or ``ConfigError`` naming the field: ``where(i)`` names the message
+    of the ``i``-th answer (a request's ``messages[3]``), ``whole`` the answers together."""
+
+    def field(i: int, name: str | None = None) -> str | None:
+        at = where(i)
+        return at if name is None else (f"{at}.{name}" if at else name)
+
+    if waiting is None:
+        raise ConfigError(
+            "no tool calls are waiting for results in this conversation", field=field(0)
+        )
+    seen: set[str] = set()
+    for i, call_id in enumerate(answered):
+        if call_id not in waiting:
+            raise ConfigError(
+                f"tool_call_id {call_id!r} is not a call waiting for its result "
+                f"(waiting: {', '.join(waiting)})",
+                field=field(i, "tool_call_id"),
+            )
+        if call_id in seen:
+            raise ConfigError(
+                f"tool_call_id {call_id!r} has two results", field=field(i, "tool_call_id")
+            )
+        seen.add(call_id)
+    missing = [call_id for call_id in waiting if call_id not in seen]
+    if missing:
+        raise ConfigError(f"no result for tool call(s) {', '.join(missing)}", field=whole)
 
 
 def open_turn(last_turn: Sequence[Message]) -> OpenTurn | None:
