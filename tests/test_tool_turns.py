@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,8 +76,16 @@ def test_a_required_call_then_its_result_continues_the_turn(
         assert len(turns) == 2 and turns[1].prompt_tokens == len(expected)
         assert turns[1].user_message_id == history[0].id
         assert final.usage.prompt_tokens == turns[1].prompt_tokens
-        # The tool result's tokens: the codec's count of that message after an anchor.
-        assert turns[1].tool_result_tokens and turns[1].tool_result_tokens > 0
+        # The tool results' tokens: the codec's own count of what each result message adds
+        # to a prompt (rendered after a system message, less that message alone).
+        anchor = [{"role": "system", "content": "."}]
+        alone = len(codec.prompt_tokens(anchor, add_generation_prompt=False))
+        expected = sum(
+            len(codec.prompt_tokens([*anchor, m.to_openai()], add_generation_prompt=False)) - alone
+            for m in history
+            if m.role == "tool"
+        )
+        assert expected > 0 and turns[1].tool_result_tokens == expected
         # Its prefix (system with tools, the user message) came from the cache.
         assert turns[1].reused_tokens >= turns[0].prompt_tokens
 
@@ -193,7 +200,7 @@ def test_tool_choice_none_reads_no_calls(db_url: str, llama31_engine: Engine) ->
         assert chat.history()[-1].content == reply.text
 
 
-def test_tiny_model_paths(tmp_path: Path) -> None:
+def test_the_llama31_style_template_is_read_as_the_llama3_format() -> None:
     # The Llama 3.1-style template is read as the llama3 call format, the plain one not.
     from chatctx.model.template import LLAMA3_TEMPLATE
     from chatctx.model.tools import tool_format

@@ -50,6 +50,17 @@ def _valid(name: str, arguments: str) -> None:
     assert set(parsed) == {"order_id"} and len(parsed["order_id"]) <= 8
 
 
+def _required_call(client: openai.OpenAI, asked: Any, stream: bool, options: Any) -> Any:
+    """The reply to ``asked`` held to a call: streamed and assembled by the client's helper
+    (with usage), or whole."""
+    if not stream:
+        return client.chat.completions.create(messages=asked, tool_choice="required", **options)
+    with client.chat.completions.stream(
+        messages=asked, tool_choice="required", stream_options={"include_usage": True}, **options
+    ) as events:
+        return events.get_final_completion()
+
+
 def _calls(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
@@ -69,16 +80,7 @@ def test_stateful_tool_loop_sending_only_the_results(server: ServerProcess, stre
         "seed": 11,
         "extra_body": {"conversation": conversation},
     }
-    if stream:
-        with client.chat.completions.stream(
-            messages=asked,
-            tool_choice="required",
-            stream_options={"include_usage": True},
-            **options,
-        ) as events:
-            first = events.get_final_completion()
-    else:
-        first = client.chat.completions.create(messages=asked, tool_choice="required", **options)
+    first = _required_call(client, asked, stream, options)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls
@@ -127,16 +129,7 @@ def test_stateless_tool_loop_with_the_whole_history(server: ServerProcess, strea
     client = _client(server)
     asked: Any = [{"role": "user", "content": "Where is B-2?"}]
     options: Any = {"model": "chatctx", "tools": TOOLS, "max_tokens": 60, "seed": 5}
-    if stream:
-        with client.chat.completions.stream(
-            messages=asked,
-            tool_choice="required",
-            stream_options={"include_usage": True},
-            **options,
-        ) as events:
-            first: Any = events.get_final_completion()
-    else:
-        first = client.chat.completions.create(messages=asked, tool_choice="required", **options)
+    first = _required_call(client, asked, stream, options)
     message = first.choices[0].message
     assert message.tool_calls and first.choices[0].finish_reason == "tool_calls"
     history: Any = [
