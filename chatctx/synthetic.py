@@ -102,7 +102,7 @@ _PLANT = {
 _ASK = {
     "order": "Sorry, what was my order number again?",
     "name": "Do you still remember my name?",
-    "model": "Which router model did I say I have?",
+    "model": "Which router model did I mention I have?",
     "ticket": "What was the ticket number I mentioned?",
     "email": "Which email address did I give you?",
 }

@@ -5,7 +5,7 @@ Three kinds:
 - **Identifiers** a support conversation must not lose: order and ticket numbers, product
   models, amounts, e-mail addresses, capitalized names people introduce themselves with.
 - **Statements the user makes about themselves**, the way people say them in chat: lower case,
-  contractions, typos ("im"), said in passing ("oh and I'm allergic to shellfish"). A sentence
+  contractions, typos ("im"), said in passing ("oh and I can't have gluten"). A sentence
   counts when it speaks in the first person and says something durable: health and diet,
   names of people and pets, family, home and origin, work and study, belongings and where they
   were left, plans and dates, preferences, open requests. Transient chat ("lol ok", "im tired")
@@ -351,7 +351,7 @@ _CLAUSE_BREAK = re.compile(
     _I,
 )
 THRESHOLD = 2.0
-# A sentence no pattern recognizes can still hold a fact: "pharmacy was out of propranolol
+# A sentence no pattern recognizes can still hold a fact: "the pharmacy ran out of metformin
 # again", "i swapped my civic for a used tacoma". It is kept as a *minor* fact when it names
 # something specific (a word outside everyday chat vocabulary, see ``specific_words``) or
 # speaks about the speaker with at least ``MINOR_WORDS`` content words, and its words are
@@ -363,8 +363,8 @@ MINOR_WEIGHT = 0.5
 MINOR_INFO = 0.5  # score per word's worth of ``information``
 MINOR_CAP = 1.9  # below THRESHOLD: a minor fact never outranks a recognized one
 # A minor fact must tell at least this much (a number, date or name counts 0.5): "i wonder
-# when he went to bed" (0) is chat; "picked up beekeeping over the summer" (1.2) and "quit
-# my old job, i'm at the hospital now" (0.6) are not.
+# when he went to bed" (0) is chat; "took up pottery over the winter" (1.0) and "left the
+# bakery, working nights at the clinic now" (1.4) are not.
 MIN_INFORMATION = 0.5
 RARE_FROM = 0.45  # rarity above which a word tells something ("summer" 0.31, "therapy" 0.65)
 MINOR_WORDS = 2
@@ -466,8 +466,8 @@ def rarity(word: str) -> float:
 def information(low: str) -> float:
     """What a case-folded sentence tells, in words' worth: each different content word
     counts for how much rarer it is than everyday chat (``rarity`` above ``RARE_FROM``,
-    scaled to 0..1). "i wonder when he went to bed" 0, "picked up beekeeping over the
-    summer, obsessed now" 1.3."""
+    scaled to 0..1). "i wonder when he went to bed" 0, "took up pottery over the
+    winter, hooked now" 1.4."""
     words = {w for w in _ALPHA.findall(low) if len(w) > 2 and w not in EMPTY_WORDS}
     return sum(max(0.0, rarity(w) - RARE_FROM) / (1.0 - RARE_FROM) for w in words)
 

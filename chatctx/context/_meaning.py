@@ -1,16 +1,16 @@
 """Recall by meaning: evicted messages ranked by how close they are to the new one.
 
-A question rarely repeats the words of the fact it asks about ("what can't I eat?" for "I'm
-allergic to shellfish"), so full-text search alone misses most of them. ``MeaningSearch``
+A question rarely repeats the words of the fact it asks about ("what can't I eat?" for "I
+can't have gluten"), so full-text search alone misses most of them. ``MeaningSearch``
 embeds the new message and the conversation's earlier messages with a sentence embedder
 (``chatctx.backends.engine.Embedder``) and ranks the earlier ones by cosine similarity. A chat
-message often says several things ("step one would be to listen. the jeep needs new tires before
-the trip"), so each sentence is embedded too and a message scores as its closest part. A message
-below ``min_similarity`` is not a match.
+message often says several things ("first I'll call the landlord. the van needs an oil
+change before the drive"), so each sentence is embedded too and a message scores as its
+closest part. A message below ``min_similarity`` is not a match.
 
 Two priors then order the matches. A question states nothing, so a sentence that asks scores
-``question_discount`` lower: "what do you do for fun?" is close to "what do I do for fun
-again?" but no answer to it. And what the user asks back is mostly what the user said, so the
+``question_discount`` lower: "what do you like to cook?" is close to "what do I like to
+cook, again?" but no answer to it. And what the user asks back is mostly what the user said, so the
 other side's messages score ``reply_discount`` lower (a much closer reply still wins).
 
 It is a ``RecallSearch``: the builder uses it exactly as it uses the store's full-text search,

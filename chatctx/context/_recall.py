@@ -106,8 +106,8 @@ _SUBJECTS = _PRONOUNS | frozenset(
 _JOINING = frozenset("but and so or".split())  # noqa: SIM905
 _CLAUSE = re.compile(r"[,;:]+\s*|\s+-+\s+")
 # Words: a longer clause is talk with a question in it ("yeah i know right? ..."), and a
-# sentence up to _SHORT words is one question even across a comma ("if I'm locked out,
-# where's the spare key?").
+# sentence up to _SHORT words is one question even across a comma ("if the train is late,
+# who picks me up?").
 _LONG, _SHORT = 16, 20
 
 
@@ -172,7 +172,7 @@ def _inverted(words: Sequence[str]) -> bool:
     if words[0] in _JOINED:
         return True
     if words[0] in ("what", "which", "whose") and words[1:2] and words[1] not in _SELF | _YOU:
-        return True  # "which bus gets me home", "what time did i say"
+        return True  # "which bus gets me home", "what day did we pick"
     for word in words[1:5]:
         if word in _INVERTED:
             return True
@@ -183,7 +183,7 @@ def _inverted(words: Sequence[str]) -> bool:
 
 def _to_listener(words: Sequence[str]) -> bool:
     """Whether a question asks about the listener: "how do you say ...", "are you ...",
-    "what do you think about my ...". Not a request ("what should u pick up for me",
+    "what do you think about my ...". Not a request ("what should u grab for me",
     "did you book my table"): a modal or "did" before "you" may ask for the speaker."""
     for i, word in enumerate(words[:5]):
         if word in _INVERTED:
@@ -229,7 +229,7 @@ def _asks_back_in(
     pointing = told or (again and (not listener or first in _QUESTION_WORD))
     if not marked and first in _QUESTION_WORD and not (pointing or _inverted(words)):
         return False
-    # A short question is one across a comma ("if I'm locked out, where's the spare key?"),
+    # A short question is one across a comma ("if the train is late, who picks me up?"),
     # not after a clause it is joined to ("I know, but why ...").
     whole = marked and len(sentence) <= _SHORT and not joined
     about = sentence if whole else words
@@ -247,7 +247,7 @@ def _asks_back_in(
 
 def asks_back(text: str) -> bool:
     """Whether a message asks about something said earlier: a question about the speaker
-    ("what's my dog called?", "where did i park", "my cat, what breed is she?"), one that
+    ("when is my niece's birthday?", "where did i park", "my cat, what breed is she?"), one that
     points back ("what was it called again?", "do you remember what i said?"), or a
     request without a question ("remind me ...", "i forgot what ...", "you told me ...").
 
@@ -312,8 +312,8 @@ def _news(words: Sequence[str]) -> set[str]:
 
 def said(sentence: str, known: Known) -> bool:
     """Whether the prompt already says ``sentence``: word for word, or in a clause that says
-    the same and only that, fillers aside (an extractive summary keeps "forgot to take
-    zoloft this morning" of "oh and forgot to take zoloft this morning lol"). A sentence with
+    the same and only that, fillers aside (an extractive summary keeps "left my keys at
+    the gym" of "oh and left my keys at the gym lol"). A sentence with
     nothing to say ("how do you feel?") is said."""
     words = _normalized(sentence)
     if f" {' '.join(words)} " in known.text:
