@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from chatctx import __version__
 from chatctx.backends.base import Backend
+from chatctx.serve._conversations import router as conversations_router
 from chatctx.serve._errors import install_handlers
 from chatctx.serve._http import ServeMiddleware
 from chatctx.serve._page import page_router
@@ -52,6 +53,7 @@ def create_app(
     app.state.service = service
     install_handlers(app)
     app.include_router(router)
+    app.include_router(conversations_router)
     app.include_router(page_router)
     app.add_middleware(ServeMiddleware, service=service)
     return app

@@ -41,7 +41,7 @@ from chatctx.serve._schemas import (
 from chatctx.serve._service import STATELESS_CONTEXT, OwnedAs, Service, stateless_owner
 from chatctx.serve._tenants import Tenant
 from chatctx.serve._turn import Cut, TurnRun
-from chatctx.session import ChatSession, ask_for, check_results, open_turn
+from chatctx.session import Ask, ChatSession, ask_for, check_results, open_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.store import Store
 
@@ -64,8 +64,8 @@ class _Plan:
     calls: list[str] | None = None
 
 
-def _split(request: ChatCompletionRequest, max_chars: int) -> _Plan:
-    messages = request.messages
+def split_messages(messages: list[ChatMessage], max_chars: int) -> _Plan:
+    """What of ``messages`` is stored before the turn, the system prompt, and the turn."""
     systems: list[str] = []
     index = 0
     while index < len(messages) and messages[index].stored_role == "system":
@@ -163,9 +163,12 @@ def _apply(
     create: ContextSettings,
     known: bool = False,
     created: Callable[[], None] | None = None,
+    replace_system: bool = False,
 ) -> None:
     """Store the request's system prompt and earlier messages (in the turn's worker thread,
     before the turn begins); its sampling settings go with the turn's user message.
+    ``replace_system``: the request's system prompt replaces the stored one even when it has
+    none (the Responses API's ``instructions`` are not carried from one request to the next).
 
     ``known``: this process has got or created the conversation before; it is read once,
     then written once if the request changes its system prompt (the turn reads it again
@@ -214,8 +217,11 @@ def _apply(
             where=lambda i: f"messages[{plan.results[i][0]}]",
             whole="messages",
         )
-    if not new and system_prompt is not None and system_prompt != conversation.system_prompt:
-        store.update_conversation(cid, system_prompt=system_prompt)
+    if not new and system_prompt != conversation.system_prompt:
+        if system_prompt is not None:
+            store.update_conversation(cid, system_prompt=system_prompt)
+        elif replace_system:
+            store.update_conversation(cid, clear_system_prompt=True)
     if earlier:
         store.add_messages(cid, earlier)
 
@@ -239,12 +245,12 @@ def _unstored(
 
 
 @dataclass
-class _Turn:
+class HTTPTurn:
     """Everything one request holds while its reply is generated."""
 
     service: Service
     tenant: Tenant
-    request: ChatCompletionRequest
+    include_usage: bool  # a stream ends with a usage chunk
     session: ChatSession
     run: TurnRun
     cancel: Cut
@@ -375,33 +381,83 @@ def _drop(session: ChatSession, ephemeral: Store) -> None:
         ephemeral.delete_conversation(session.conversation_id)
 
 
-async def _open_turn(
-    service: Service, tenant: Tenant, request: ChatCompletionRequest, log: dict[str, Any]
-) -> _Turn:
+@dataclass
+class TurnSpec:
+    """What a request asks of one turn, whichever API it came through."""
+
+    plan: _Plan
+    generation: GenerationSettings
+    ask: Ask
+    conversation: str | None  # the client's conversation id; None: stateless
+    stored_id: str | None = None  # where it is stored (default: the tenant's name for it)
+    stops: list[str] = field(default_factory=list)
+    opening: list[tuple[str, str]] = field(default_factory=list)  # a stateless chat's slot
+    replace_system: bool = False  # see ``_apply``
+    include_usage: bool = False  # a stream ends with a usage chunk
+    # Called in the turn's worker thread before and after the request's messages are stored.
+    before_apply: Callable[[ChatSession], None] | None = None
+    after_apply: Callable[[ChatSession], None] | None = None
+
+
+def _chat_spec(
+    request: ChatCompletionRequest, max_messages: int | None, max_chars: int
+) -> TurnSpec:
+    if max_messages is not None and len(request.messages) > max_messages:
+        raise APIError(
+            400,
+            f"at most {max_messages} messages per request",
+            param="messages",
+            code="array_above_max_length",
+        )
+    plan = split_messages(request.messages, max_chars)
+    generation = _generation(request)
+    ask = make_ask(
+        plan,
+        tools=request.tools,
+        tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+    )
+    options = request.stream_options
+    return TurnSpec(
+        plan=plan,
+        generation=generation,
+        ask=ask,
+        conversation=request.conversation,
+        stops=request.stop_list(),
+        opening=[(m.stored_role, m.text()) for m in request.messages[:2]],
+        include_usage=options is not None and options.include_usage,
+    )
+
+
+def make_ask(
+    plan: _Plan,
+    *,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool,
+) -> Ask:
+    """The session's ask for ``plan``: its text or results, with the tools offered."""
+    try:
+        return ask_for(
+            plan.text,
+            results={call_id: output for _, call_id, output in plan.results} or None,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+        )
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param=exc.field, code="invalid_value") from exc
+
+
+async def open_turn_for(
+    service: Service, tenant: Tenant, spec: TurnSpec, log: dict[str, Any]
+) -> HTTPTurn:
     """Check limits, take locks and start the reply (its worker thread first stores what the
     request adds: errors there reach the first ``next_delta``, before any output)."""
     arrived = time.perf_counter()
     store, backend = service.require_ready()
     limits = service.config.limits
-    if limits.max_messages is not None and len(request.messages) > limits.max_messages:
-        raise APIError(
-            400,
-            f"at most {limits.max_messages} messages per request",
-            param="messages",
-            code="array_above_max_length",
-        )
-    plan = _split(request, limits.max_message_chars)
-    generation = _generation(request)
-    try:
-        ask = ask_for(
-            plan.text,
-            results={call_id: output for _, call_id, output in plan.results} or None,
-            tools=request.tools,
-            tool_choice=request.tool_choice,
-            parallel_tool_calls=request.parallel_tool_calls is not False,
-        )
-    except ConfigError as exc:
-        raise APIError(400, str(exc), param=exc.field, code="invalid_value") from exc
+    plan, generation = spec.plan, spec.generation
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.request_timeout_s
     cleanup: list[Callable[[], Awaitable[None]]] = []
@@ -419,9 +475,9 @@ async def _open_turn(
 
     cleanup.append(release_tenant)
     try:
-        if request.conversation is not None:
-            stored_id = tenant.stored_id(request.conversation)
-            log["conversation"] = request.conversation
+        if spec.conversation is not None:
+            stored_id = spec.stored_id or tenant.stored_id(spec.conversation)
+            log["conversation"] = spec.conversation
             await service.locks.acquire(stored_id)
 
             async def release_lock() -> None:
@@ -431,7 +487,7 @@ async def _open_turn(
             # Other serve processes on this database: one turn of a conversation at a time.
             cleanup.append(await service.claim_turn(store, stored_id))
             session, fresh = await service.session(stored_id)
-            before = functools.partial(
+            apply = functools.partial(
                 _apply,
                 session,
                 plan,
@@ -439,18 +495,18 @@ async def _open_turn(
                 create=ContextSettings(),
                 known=not fresh,
                 created=functools.partial(service.opened.add, stored_id),
+                replace_system=spec.replace_system,
             )
         else:
             assert service.ephemeral is not None
             ephemeral = service.ephemeral
             stored_id = f"{STATELESS_PREFIX}{uuid.uuid4().hex}"
-            opening = [(m.stored_role, m.text()) for m in request.messages[:2]]
-            owner = OwnedAs(backend, stateless_owner(tenant.name, opening))
+            owner = OwnedAs(backend, stateless_owner(tenant.name, spec.opening))
             # Made without the database: the turn's worker thread creates its conversation.
             session = ChatSession(
                 store=ephemeral, engine=owner, conversation_id=stored_id, claim_turns=False
             )
-            before = functools.partial(_apply, session, plan, generation, create=STATELESS_CONTEXT)
+            apply = functools.partial(_apply, session, plan, generation, create=STATELESS_CONTEXT)
 
             async def drop_ephemeral() -> None:
                 await asyncio.to_thread(_drop, session, ephemeral)
@@ -462,25 +518,32 @@ async def _open_turn(
     except BaseException:
         await unwind()
         raise
+
+    def before() -> None:
+        if spec.before_apply is not None:
+            spec.before_apply(session)
+        apply()
+        if spec.after_apply is not None:
+            spec.after_apply(session)
+
     cancel = service.turn_started()
-    stops = request.stop_list()
     run = TurnRun(
         session,
-        ask,
-        stops=stops,
+        spec.ask,
+        stops=spec.stops,
         deadline=deadline,
         cancel=cancel,
         before=before,
         settings=generation,
     )
-    return _Turn(
+    return HTTPTurn(
         service=service,
         tenant=tenant,
-        request=request,
+        include_usage=spec.include_usage,
         session=session,
         run=run,
         cancel=cancel,
-        conversation=request.conversation,
+        conversation=spec.conversation,
         stored_id=stored_id,
         log=log,
         cleanup=cleanup,
@@ -488,13 +551,9 @@ async def _open_turn(
     )
 
 
-async def chat_completion(
-    service: Service, tenant: Tenant, request: ChatCompletionRequest, log: dict[str, Any]
-) -> Response:
-    """Answer one chat completion request (JSON, or an SSE stream)."""
-    log["stream"] = request.stream
-    turn = await _open_turn(service, tenant, request, log)
-    retry_after = service.config.limits.retry_after_s
+async def first_delta(turn: HTTPTurn, retry_after: int) -> str | None:
+    """The reply's first text; what fails before any output is raised as an HTTP error
+    (the turn closed), and so is a reply cut before its first token."""
     try:
         first = await turn.run.next_delta()  # errors before any output are HTTP errors
     except ChatctxError as exc:
@@ -516,8 +575,21 @@ async def chat_completion(
         else:
             error = APIError(503, "the reply was not stored", code="not_stored")
         raise stored_already(error, turn.run.stored_user)
+    return first
+
+
+async def chat_completion(
+    service: Service, tenant: Tenant, request: ChatCompletionRequest, log: dict[str, Any]
+) -> Response:
+    """Answer one chat completion request (JSON, or an SSE stream)."""
+    log["stream"] = request.stream
+    limits = service.config.limits
+    spec = _chat_spec(request, limits.max_messages, limits.max_message_chars)
+    turn = await open_turn_for(service, tenant, spec, log)
+    retry_after = service.config.limits.retry_after_s
+    first = await first_delta(turn, retry_after)
     if request.stream:
-        return _SSEResponse(_events(turn, first), turn)
+        return SSEResponse(_events(turn, first), turn)
     parts = [first] if first else []
     try:
         while (delta := await turn.run.next_delta()) is not None:
@@ -545,7 +617,7 @@ def _sse(data: dict[str, Any]) -> bytes:
     return f"data: {json_line(data)}\n\n".encode()
 
 
-async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:
+async def _events(turn: HTTPTurn, first: str | None) -> AsyncIterator[bytes]:
     service = turn.service
     model = service.model_id
 
@@ -574,19 +646,18 @@ async def _events(turn: _Turn, first: str | None) -> AsyncIterator[bytes]:
         if calls:  # whole, one delta: what the official client's helpers assemble
             last = chunk(delta={"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
         last += chunk(delta={}, finish_reason=turn.run.finish_reason, chatctx=turn.extension())
-        options = turn.request.stream_options
-        if options is not None and options.include_usage:
+        if turn.include_usage:
             last += chunk(usage=turn.usage())
         yield last + b"data: [DONE]\n\n"
     finally:
         await turn.close()
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """A server-sent event stream that ends its turn however the response ends (a client
     gone before the first byte included)."""
 
-    def __init__(self, content: AsyncIterator[bytes], turn: _Turn) -> None:
+    def __init__(self, content: AsyncIterator[bytes], turn: HTTPTurn) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",

@@ -139,6 +139,8 @@ _CUSTOM = frozenset(
         "invalid_stream_options",
         "unsupported_content",
         "invalid_text",
+        "invalid_value",
+        "invalid_metadata",
     }
 )
 

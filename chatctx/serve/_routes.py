@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from chatctx._json import json_line
-from chatctx.errors import ConversationNotFound
-from chatctx.monitor import SlotTable, memory_snapshot, prometheus_text, totals
+from chatctx.monitor import SlotTable, memory_snapshot, prometheus_text
 from chatctx.serve._chat import chat_completion
 from chatctx.serve._errors import not_found
 from chatctx.serve._http import LOG_KEY
+from chatctx.serve._items import items_of, page
+from chatctx.serve._responses import (
+    RESPONSE_ID,
+    ResponsesRequest,
+    create_response,
+    input_tokens,
+    stored_response,
+)
 from chatctx.serve._schemas import CONVERSATION_ID, ChatCompletionRequest, ErrorResponse
 from chatctx.serve._service import Service
 from chatctx.serve._tenants import Tenant
-from chatctx.store import Store, current_revision, export_conversation, head_revision
+from chatctx.store import current_revision, head_revision
 
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="An API key from --api-keys.")
 ConversationId = Annotated[str, Path(pattern=CONVERSATION_ID, max_length=128)]
-_ERRORS: dict[int | str, dict[str, Any]] = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 429, 503)
 }
 
@@ -61,7 +66,7 @@ ServiceDep = Annotated[Service, Depends(service_of)]
 # chat ---------------------------------------------------------------------------------------
 
 
-@router.post("/v1/chat/completions", responses=_ERRORS, tags=["chat"])
+@router.post("/v1/chat/completions", responses=ERRORS, tags=["chat"])
 async def chat_completions(
     request: Request, body: ChatCompletionRequest, tenant: TenantDep, service: ServiceDep
 ) -> Response:
@@ -75,7 +80,7 @@ async def list_models(tenant: TenantDep, service: ServiceDep) -> dict[str, Any]:
     return {"object": "list", "data": [_model(service)]}
 
 
-@router.get("/v1/models/{model}", responses=_ERRORS, tags=["models"])
+@router.get("/v1/models/{model}", responses=ERRORS, tags=["models"])
 async def get_model(model: str, tenant: TenantDep, service: ServiceDep) -> dict[str, Any]:
     if model != service.model_id:
         raise not_found("model")
@@ -91,170 +96,67 @@ def _model(service: Service) -> dict[str, Any]:
     }
 
 
-# conversations ------------------------------------------------------------------------------
+# responses ----------------------------------------------------------------------------------
+
+ResponseId = Annotated[str, Path(pattern=RESPONSE_ID, max_length=40)]
+Order = Annotated[Literal["asc", "desc"], Query()]
+Limit = Annotated[int, Query(ge=1, le=100)]
+After = Annotated[str | None, Query(max_length=64)]
 
 
-async def _owned(service: Service, tenant: Tenant, conversation: str) -> tuple[Store, str]:
+@router.post("/v1/responses", responses=ERRORS, tags=["responses"])
+async def responses_create(
+    request: Request, body: ResponsesRequest, tenant: TenantDep, service: ServiceDep
+) -> Response:
+    """OpenAI's Responses API: ``previous_response_id`` or ``conversation`` go on from a
+    stored history (a response that is not its conversation's last forks it)."""
+    return await create_response(service, tenant, body, request.scope[LOG_KEY])
+
+
+@router.post("/v1/responses/input_tokens", responses=ERRORS, tags=["responses"])
+async def responses_input_tokens(
+    body: ResponsesRequest, tenant: TenantDep, service: ServiceDep
+) -> dict[str, Any]:
+    """The prompt tokens ``POST /v1/responses`` would send for this body (nothing stored)."""
+    return await input_tokens(service, tenant, body)
+
+
+@router.get("/v1/responses/{response_id}", responses=ERRORS, tags=["responses"])
+async def responses_get(
+    response_id: ResponseId, tenant: TenantDep, service: ServiceDep
+) -> dict[str, Any]:
+    """A stored response, as it was answered."""
+    return (await stored_response(service, tenant, response_id)).body
+
+
+@router.delete("/v1/responses/{response_id}", responses=ERRORS, tags=["responses"])
+async def responses_delete(
+    response_id: ResponseId, tenant: TenantDep, service: ServiceDep
+) -> dict[str, Any]:
+    """Forget a response (its messages stay in their conversation)."""
     store, _ = service.require_ready()
-    stored_id = tenant.stored_id(conversation)
-    if not await asyncio.to_thread(store.has_conversation, stored_id):
-        raise not_found()
-    return store, stored_id
+    if not await asyncio.to_thread(store.delete_response, tenant.stored_id(response_id)):
+        raise not_found("response")
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
-def _message(m: Any) -> dict[str, Any]:
-    out = {
-        "id": m.id,
-        "position": m.position,
-        "role": m.role,
-        "content": m.content,
-        "status": m.status,
-        "created_at": m.created_at,
-    }
-    if m.name is not None:
-        out["name"] = m.name
-    return out
-
-
-@router.get("/v1/conversations", responses=_ERRORS, tags=["conversations"])
-async def list_conversations(
+@router.get("/v1/responses/{response_id}/input_items", responses=ERRORS, tags=["responses"])
+async def responses_input_items(
+    response_id: ResponseId,
     tenant: TenantDep,
     service: ServiceDep,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: Annotated[str | None, Query(max_length=128)] = None,
+    after: After = None,
+    limit: Limit = 20,
+    order: Order = "desc",
 ) -> dict[str, Any]:
-    """This tenant's conversations ordered by id; page on with ``after`` = the last id."""
+    """The items a response was given (its new input, not the history before it)."""
+    found = await stored_response(service, tenant, response_id)
     store, _ = service.require_ready()
-    prefix = tenant.stored_id("")
-    rows = await asyncio.to_thread(
-        store.conversations_page,
-        prefix=prefix,
-        after=None if after is None else prefix + after,
-        limit=limit + 1,  # one more tells whether there is a next page
+    messages = await asyncio.to_thread(
+        store.messages, found.conversation_id, from_position=found.start
     )
-    mine = [(tenant.client_id(c.id), c) for c in rows]
-    page = mine[:limit]
-    data = [
-        {
-            "id": cid,
-            "object": "conversation",
-            "created_at": c.created_at,
-            "updated_at": c.updated_at,
-            "message_count": c.message_count,
-        }
-        for cid, c in page
-    ]
-    return _json(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(mine) > limit,
-        }
-    )
-
-
-@router.get("/v1/conversations/{conversation}", responses=_ERRORS, tags=["conversations"])
-async def get_conversation(
-    conversation: ConversationId, tenant: TenantDep, service: ServiceDep
-) -> dict[str, Any]:
-    """The conversation's settings and its whole stored history."""
-    store, stored_id = await _owned(service, tenant, conversation)
-
-    def read() -> dict[str, Any]:
-        c = store.get_conversation(stored_id)
-        return {
-            "id": conversation,
-            "object": "conversation",
-            "created_at": c.created_at,
-            "updated_at": c.updated_at,
-            "system_prompt": c.system_prompt,
-            "settings": c.settings,
-            "message_count": c.message_count,
-            "messages": [_message(m) for m in store.messages(stored_id)],
-        }
-
-    return _json(await asyncio.to_thread(read))
-
-
-@router.delete("/v1/conversations/{conversation}", responses=_ERRORS, tags=["conversations"])
-async def delete_conversation(
-    conversation: ConversationId, tenant: TenantDep, service: ServiceDep
-) -> dict[str, Any]:
-    """Delete the conversation and everything stored with it (waits for a turn in flight)."""
-    store, stored_id = await _owned(service, tenant, conversation)
-    await service.locks.acquire(stored_id)
-    try:
-        await service.forget(stored_id)
-        try:
-            await asyncio.to_thread(store.delete_conversation, stored_id)
-        except ConversationNotFound:
-            raise not_found() from None
-    finally:
-        service.locks.release(stored_id)
-    return {"id": conversation, "object": "conversation.deleted", "deleted": True}
-
-
-@router.get(
-    "/v1/conversations/{conversation}/export",
-    responses=_ERRORS,
-    tags=["conversations"],
-    response_class=Response,
-)
-async def export(conversation: ConversationId, tenant: TenantDep, service: ServiceDep) -> Response:
-    """The conversation as one JSON Lines record (``chatctx import`` reads it back)."""
-    store, stored_id = await _owned(service, tenant, conversation)
-    record = await asyncio.to_thread(export_conversation, store, stored_id)
-    record["id"] = conversation
-    line = json_line(record, default=str) + "\n"
-    return Response(line, media_type="application/x-ndjson")
-
-
-@router.get("/v1/conversations/{conversation}/inspect", responses=_ERRORS, tags=["conversations"])
-async def inspect(
-    conversation: ConversationId, tenant: TenantDep, service: ServiceDep
-) -> dict[str, Any]:
-    """The last context plan, the running summary and every eviction (``chatctx inspect``)."""
-    store, stored_id = await _owned(service, tenant, conversation)
-
-    def read() -> dict[str, Any]:
-        c = store.get_conversation(stored_id)
-        state = store.context_state(stored_id)
-        turns = store.turns(stored_id)
-        summaries = store.summaries(stored_id)
-        plans = [(n, t.plan) for n, t in enumerate(turns, start=1) if t.plan]
-        summary = None
-        if state.summary is not None:
-            summary = asdict(state.summary)
-            summary.pop("conversation_id", None)
-        return {
-            "conversation": conversation,
-            "messages": c.message_count,
-            "window_start": state.window_start,
-            "pending_ids": list(state.pending_ids),
-            "summary": summary,
-            "summary_versions": len(summaries),
-            "current_plan": plans[-1][1] if plans else None,
-            "evictions": [{"turn": n, **p} for n, p in plans if p.get("evicted")],
-        }
-
-    return _json(await asyncio.to_thread(read))
-
-
-@router.get("/v1/conversations/{conversation}/stats", responses=_ERRORS, tags=["conversations"])
-async def stats(
-    conversation: ConversationId, tenant: TenantDep, service: ServiceDep
-) -> dict[str, Any]:
-    """Every turn's token, KV and timing figures with totals (``chatctx stats``)."""
-    store, stored_id = await _owned(service, tenant, conversation)
-    turns = await asyncio.to_thread(store.turns, stored_id)
-    rows = []
-    for number, t in enumerate(turns, start=1):
-        row = asdict(t)
-        row.pop("conversation_id", None)
-        rows.append({"turn": number, **row})
-    return _json({"conversation": conversation, "turns": rows, "totals": totals(turns).as_dict()})
+    given = [m for m in messages if m.position < found.output_start]
+    return page(items_of(given), after=after, limit=limit, order=order)
 
 
 # operations ---------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ class ConversationContext:
                     max_tokens=settings.summary_max_tokens,
                     budget=budget,
                     generate=functools.partial(self._summary_generate, background=background),
-                    max_input_tokens=self._summary_input_tokens(),
+                    max_input_tokens=self._summary_input_tokens(settings),
                     timed=True,
                 )
                 if background and isinstance(summarizer, LLMSummarizer):
@@ -208,6 +208,36 @@ class ConversationContext:
                 n_ctx=budget + reserve,
             )
 
+    def check_whole(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        settings: ConversationSettings,
+        *,
+        system_prompt: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> int:
+        """The prompt tokens of ``messages`` sent whole (no turn trimmed, no summary); a
+        ``ContextBudgetError`` when they exceed the budget under ``settings``.
+
+        For callers that refuse to fit a history (the Responses API's ``truncation:
+        disabled``): the stored history and what the request adds, checked before either
+        is sent or stored.
+        """
+        budget, reserve = self._budget(settings.context, settings.generation)
+        whole = [dict(m) for m in messages]
+        if system_prompt:
+            whole.insert(0, {"role": "system", "content": system_prompt})
+        needed = self._builder_for(settings.context, budget).count_messages(whole, tools=tools)
+        if needed > budget:
+            raise ContextBudgetError(
+                f"the conversation takes {needed} tokens > budget {budget}, and truncation "
+                "is disabled",
+                prompt_tokens=needed,
+                budget=budget,
+                n_ctx=budget + reserve,
+            )
+        return needed
+
     def _budget(self, settings: ContextSettings, generation: GenerationSettings) -> tuple[int, int]:
         reserve = settings.reserve if settings.reserve is not None else generation.max_tokens
         limit = self.engine.n_ctx - reserve
@@ -274,12 +304,11 @@ class ConversationContext:
         )
         return _Built(built, generation, context, parsed.generation, stored.version)
 
-    def _summary_input_tokens(self) -> int:
+    def _summary_input_tokens(self, settings: ContextSettings) -> int:
         # Evicted turns are folded in chunks of this many tokens; with the summary's output
         # and instructions they fit the engine's summary room.
         chunk = max(128, min(1024, self.engine.n_ctx // 4))
         if self._side_sequence():
-            settings = self.conversation_settings().context
             written = summary_limit(
                 settings.summary_max_tokens, settings.budget or self.engine.n_ctx
             )

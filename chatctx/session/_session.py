@@ -316,6 +316,20 @@ class ChatSession(Closeable):
         """
         self._context.check_fits(message, settings, system_prompt=system_prompt)
 
+    def check_whole(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        settings: ConversationSettings,
+        *,
+        system_prompt: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> int:
+        """The prompt tokens of ``messages`` (OpenAI chat messages) sent whole, with no turn
+        trimmed; ``ContextBudgetError`` when they exceed the budget under ``settings``."""
+        return self._context.check_whole(
+            messages, settings, system_prompt=system_prompt, tools=tools
+        )
+
     def plan(self, new_message: str) -> BuildResult:
         """Build the context for ``new_message`` without sending or storing anything.
 

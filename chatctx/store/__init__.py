@@ -22,6 +22,7 @@ from chatctx.store._records import (
     Turn,
 )
 from chatctx.store._replay import ReplayStore
+from chatctx.store._responses import StoredResponse
 from chatctx.store._turn_claim import CLAIM_TTL_S, TurnClaim, new_owner, try_claim
 from chatctx.store.jsonl import (
     ConversationRecord,
@@ -42,6 +43,7 @@ __all__ = [
     "ReplayStore",
     "Store",
     "StoredContextState",
+    "StoredResponse",
     "Summary",
     "Turn",
     "TurnClaim",

@@ -38,6 +38,7 @@ from chatctx.store._records import (
     Summary,
     Turn,
 )
+from chatctx.store._responses import ResponseStore
 
 logger = logging.getLogger("chatctx.store")
 
@@ -81,6 +82,7 @@ def _conversation(row: ConversationRow, count: int = 0) -> Conversation:
         created_at=row.created_at,
         updated_at=row.updated_at,
         message_count=count,
+        metadata=None if row.meta is None else dict(row.meta),
     )
 
 
@@ -140,7 +142,7 @@ def _add_turn(session: Session, conversation_id: str, figures: Mapping[str, Any]
     return row
 
 
-class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
+class Store(PlacementStore, TurnClaimStore, ResponseStore, CacheMixin, Closeable):
     """Conversations, messages, summaries and per-turn figures in one database.
 
     Opening a store upgrades its schema to the newest migration. Use as a context manager.
@@ -209,6 +211,7 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
         title: str | None = None,
         system_prompt: str | None = None,
         settings: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> Conversation:
         """Create a conversation; an id is generated when none is given."""
         cid = conversation_id or uuid.uuid4().hex[:12]
@@ -223,6 +226,7 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
                     "title": title,
                     "system_prompt": system_prompt,
                     "settings": settings or {},
+                    "meta": metadata,
                     "created_at": utcnow(),
                     "updated_at": utcnow(),
                 },
@@ -290,18 +294,23 @@ class Store(PlacementStore, TurnClaimStore, CacheMixin, Closeable):
         title: str | None = None,
         system_prompt: str | None = None,
         settings: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
+        clear_system_prompt: bool = False,
     ) -> Conversation:
-        """Change the given fields (None leaves a field as it is)."""
+        """Change the given fields (None leaves a field as it is; ``clear_system_prompt``
+        removes the system prompt)."""
         with self._session(write=True) as session:
             row = session.get(ConversationRow, conversation_id)
             if row is None:
                 raise ConversationNotFound(conversation_id)
             if title is not None:
                 row.title = title
-            if system_prompt is not None:
+            if system_prompt is not None or clear_system_prompt:
                 row.system_prompt = system_prompt
             if settings is not None:
                 row.settings = settings
+            if metadata is not None:
+                row.meta = metadata
             session.flush()
             return _conversation(row)
 

@@ -86,6 +86,8 @@ class ConversationRow(Base):
     title: Mapped[str | None] = mapped_column(StoredString(500))
     system_prompt: Mapped[str | None] = mapped_column(StoredText)
     settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # OpenAI's ``metadata`` (at most 16 string pairs): named apart from SQLAlchemy's own.
+    meta: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -291,3 +293,29 @@ class TurnClaimRow(Base):
     conversation_id: Mapped[str] = mapped_column(String(200), primary_key=True)
     owner: Mapped[str] = mapped_column(String(200))
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class ResponseRow(Base):
+    """One ``/v1/responses`` answer: the messages ``[start, end)`` of its conversation.
+
+    ``start`` is where its input begins, ``output_start`` where its output begins. A branch
+    (a response continuing one that is not its conversation's last) is a conversation of its
+    own, made from the earlier one's first messages: ``parent_id``'s conversation up to the
+    previous response's ``end``. The id is stored under the tenant's prefix, like
+    conversations'.
+    """
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    conversation_id: Mapped[str] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), index=True
+    )
+    previous_response_id: Mapped[str | None] = mapped_column(String(200))
+    start: Mapped[int] = mapped_column(Integer)
+    output_start: Mapped[int] = mapped_column(Integer)
+    end: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(20))
+    # The response object as it was answered (output items, usage, echoed request fields).
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

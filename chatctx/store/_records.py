@@ -49,6 +49,7 @@ class Conversation:
     created_at: datetime | None = None
     updated_at: datetime | None = None
     message_count: int = 0
+    metadata: dict[str, str] | None = None  # OpenAI's (the Conversations API)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,9 +76,14 @@ class ReplayStore(Store):
         title: str | None = None,
         system_prompt: str | None = None,
         settings: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> Conversation:
         conversation = super().create_conversation(
-            conversation_id, title=title, system_prompt=system_prompt, settings=settings
+            conversation_id,
+            title=title,
+            system_prompt=system_prompt,
+            settings=settings,
+            metadata=metadata,
         )
         with self._lock:
             self._conversations[conversation.id] = conversation
@@ -109,9 +114,16 @@ class ReplayStore(Store):
         title: str | None = None,
         system_prompt: str | None = None,
         settings: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
+        clear_system_prompt: bool = False,
     ) -> Conversation:
         conversation = super().update_conversation(
-            conversation_id, title=title, system_prompt=system_prompt, settings=settings
+            conversation_id,
+            title=title,
+            system_prompt=system_prompt,
+            settings=settings,
+            metadata=metadata,
+            clear_system_prompt=clear_system_prompt,
         )
         with self._lock:
             self._conversations[conversation_id] = conversation

@@ -2,10 +2,13 @@
 
 On the in-process engine and on a 2-slot llama-server alike. The oracle is the arrival log:
 each customer is in the slot pool's line before the next one asks, so the order they asked in
-is known; the order turns start is recorded where the session takes its slot (the backend's
-``lease`` returning). Each turn record's ``queue_ms`` is checked against the test's own clock:
-no customer can start before the test gives the slots back, and each asked before it was seen
-in line. There is no cache-warm exception here: every conversation is new.
+is known; the order turns start is the order the pool granted their slots: each lease's
+ticket, numbered under the pool's lock as the slot is taken. (``lease`` returns after the
+slot's previous owner is swapped out, outside that lock, so two grants a moment apart can
+return in either order: timing the returns made this test flaky.) Each turn record's
+``queue_ms`` is checked against the test's own clock: no customer can start before the test
+gives the slots back, and each asked before it was seen in line. There is no cache-warm
+exception here: every conversation is new.
 """
 
 from __future__ import annotations
@@ -60,14 +63,14 @@ def test_turns_start_in_the_order_customers_asked(
     two_slots: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = two_slots
-    started: list[tuple[float, str]] = []
+    started: list[tuple[int, str]] = []
     record = threading.Lock()
     lease = backend.lease
 
     def recording(conversation: str, *, timeout: float | None = None) -> Lease:
         got = lease(conversation, timeout=timeout)
         with record:
-            started.append((time.perf_counter(), conversation))
+            started.append((got.ticket, conversation))
         return got
 
     holders = [backend.lease(f"holder-{n}") for n in range(2)]  # the slots, taken
