@@ -1,16 +1,20 @@
-"""``chatctx serve``: an OpenAI-compatible chat service that remembers conversations.
+"""``chatctx serve``: an OpenAI-compatible service (chat completions, Responses,
+Conversations) that remembers conversations.
 
 ::
 
-    create_app(config)   the ASGI app (FastAPI): /v1/chat/completions, /v1/models,
-                         /v1/conversations/..., /v1/cache, /, /health, /ready, /metrics
+    create_app(config)   the ASGI app (FastAPI): /v1/chat/completions, /v1/responses/...,
+                         /v1/conversations/..., /v1/models, /v1/cache, /, /health, /ready,
+                         /metrics
     serve(config)        run it under uvicorn; SIGTERM drains
     ServeConfig, Limits  where to listen, what to run, keys and limits
     load_api_keys()      {"<key>": "<tenant>"} from a file or CHATCTX_API_KEYS
 
 Modules: ``_config`` (settings, keys), ``_schemas`` (OpenAI shapes), ``_tenants`` (keys,
 tenants, limits), ``_errors`` (the one mapping to HTTP errors), ``_service`` (what the
-process owns), ``_turn`` / ``_chat`` (a reply), ``_routes``, ``_page`` (the cache page),
+process owns), ``_turn`` / ``_chat`` (a reply), ``_responses`` (the Responses API on stored
+conversations), ``_items`` (Responses items to messages and back), ``_routes``,
+``_conversations`` (OpenAI's Conversations API and chatctx's views), ``_page`` (the cache page),
 ``_http`` (access log, body limit, drain refusal), ``_metrics``, ``_runner`` (uvicorn).
 Needs the ``serve`` extra (FastAPI, uvicorn).
 """

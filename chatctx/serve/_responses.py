@@ -502,10 +502,12 @@ class _Events:
 async def _events(
     service: Service, request: _Request, turn: HTTPTurn, first: str | None
 ) -> AsyncIterator[bytes]:
-    """created, in_progress, the message item's text as it comes, its calls, completed.
+    """created, in_progress, the message item's text as it comes, its calls, then completed
+    (or incomplete: cut at ``max_output_tokens``).
 
     The client's ``responses.stream()`` helper needs ``response.created`` first and
-    ``response.completed`` last; an error after the first event is an ``error`` event.
+    ``response.completed`` last; an error after the first event is an ``error`` event, then
+    ``response.failed``.
     """
     event = _Events()
     start = response_object(service, request, status="in_progress", output=[])
@@ -611,7 +613,8 @@ async def _events(
                     arguments=item["arguments"],
                 )
             last += event("response.output_item.done", output_index=index, item=item)
-        yield last + event("response.completed", response=answer)
+        # OpenAI's last event: completed, or incomplete (the reply cut at its token limit).
+        yield last + event(f"response.{answer['status']}", response=answer)
     finally:
         await turn.close()
 

@@ -150,9 +150,12 @@ def test_a_streamed_response_is_the_response_stored(
             kinds.append(event.type)
             if event.type == "response.output_text.delta":
                 deltas.append(event.delta)
-        final = stream.get_final_response()
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
     assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] == "response.completed"
+    # The last event says how it ended: a reply cut at max_output_tokens is incomplete.
+    assert kinds[-1] == f"response.{final.status}"
+    assert (final.status == "incomplete") == (final.usage.output_tokens == 8)  # type: ignore[union-attr]
     assert kinds.index("response.output_item.added") < kinds.index("response.output_text.done")
     assert final.output_text == "".join(deltas)
     got = client.responses.retrieve(final.id)
@@ -378,3 +381,34 @@ def test_bad_requests_name_their_field(server: ServerProcess) -> None:
     missing = httpx.post(url, json={"input": "hi", "previous_response_id": "resp_" + "0" * 32})
     assert missing.status_code == 404
     assert httpx.get(f"{server.url}/v1/responses/resp_{'0' * 32}").status_code == 404
+
+
+def test_a_response_from_before_a_restart_is_continued(
+    tiny_llama3_path: Path, embedder_path: Path, tmp_path: Path
+) -> None:
+    env = {"CHATCTX_HOME": str(tmp_path / "home"), "CHATCTX_EMBEDDER": str(embedder_path)}
+    args = ("--n-ctx", "512", "--slots", "1")
+    before = ServerProcess(tmp_path, tiny_llama3_path, *args, env=env)
+    try:
+        client = openai.OpenAI(base_url=f"{before.url}/v1", api_key="unused", max_retries=0)
+        first = client.responses.create(model="any", input=QUESTIONS[0], **SAMPLING)
+    finally:
+        assert before.stop() == 0
+    after = ServerProcess(tmp_path, tiny_llama3_path, *args, env=env)  # the same database
+    try:
+        client = openai.OpenAI(base_url=f"{after.url}/v1", api_key="unused", max_retries=0)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        more = client.responses.create(
+            model="any", input=QUESTIONS[1], previous_response_id=first.id, **SAMPLING
+        )
+        with after.store() as store:
+            stored = store.get_response(more.id)
+            assert stored is not None
+            assert _pairs(store, stored.conversation_id) == [
+                ("user", QUESTIONS[0]),
+                ("assistant", first.output_text),
+                ("user", QUESTIONS[1]),
+                ("assistant", more.output_text),
+            ]
+    finally:
+        after.stop()

@@ -265,3 +265,52 @@ def test_no_keys_means_loopback_only(tmp_path: Path) -> None:
     assert (
         result.exit_code == 1 and "no llama-server answers at http://127.0.0.1:1" in result.output
     )
+
+
+def test_responses_and_conversations_are_the_tenants_own(
+    keyed: tuple[ServerProcess, list[str]],
+) -> None:
+    server, _ = keyed
+    secret = "SECRET-acme-responses: the safe opens with 8812"
+    made = httpx.post(
+        f"{server.url}/v1/responses",
+        json={"input": secret, "max_output_tokens": 4, "truncation": "auto"},
+        headers=auth(KEY_A),
+        timeout=60,
+    )
+    assert made.status_code == 200, made.text
+    response_id = made.json()["id"]
+    conversation = httpx.post(
+        f"{server.url}/v1/conversations",
+        json={"items": [{"role": "user", "content": secret}]},
+        headers=auth(KEY_A),
+    ).json()["id"]
+    base = f"{server.url}/v1/responses/{response_id}"
+    tried = [
+        httpx.get(base, headers=auth(KEY_B)),
+        httpx.get(f"{base}/input_items", headers=auth(KEY_B)),
+        httpx.delete(base, headers=auth(KEY_B)),
+        httpx.get(f"{server.url}/v1/conversations/{conversation}/items", headers=auth(KEY_B)),
+        httpx.post(
+            f"{server.url}/v1/conversations/{conversation}",
+            json={"metadata": {"x": "y"}},
+            headers=auth(KEY_B),
+        ),
+    ]
+    for key, value in (("previous_response_id", response_id), ("conversation", conversation)):
+        body = {"input": "tell me the secret", "max_output_tokens": 4, key: value}
+        tried.append(
+            httpx.post(f"{server.url}/v1/responses", json=body, headers=auth(KEY_B), timeout=60)
+        )
+        tried.append(
+            httpx.post(f"{server.url}/v1/responses/input_tokens", json=body, headers=auth(KEY_B))
+        )
+    for answer in tried:
+        assert answer.status_code == 404, (answer.request.url, answer.text)
+        assert secret not in answer.text
+    # Acme's own are untouched and readable by acme.
+    assert httpx.get(base, headers=auth(KEY_A)).json()["id"] == response_id
+    items = httpx.get(
+        f"{server.url}/v1/conversations/{conversation}/items", headers=auth(KEY_A)
+    ).json()
+    assert [i["content"][0]["text"] for i in items["data"]] == [secret]
