@@ -20,6 +20,8 @@ when the whole history does not fit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +33,7 @@ from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse, Response
 
 from chatctx._json import json_line
+from chatctx.backends.swap import SwapEntry
 from chatctx.errors import ChatctxError, ConfigError, ConversationNotFound
 from chatctx.serve._chat import (
     HTTPTurn,
@@ -49,6 +52,8 @@ from chatctx.serve._tenants import Tenant
 from chatctx.session import ChatSession
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings
 from chatctx.store import Store, StoredResponse
+
+logger = logging.getLogger("chatctx.serve")
 
 RESPONSE_ID = r"^resp_[0-9a-f]{32}$"
 
@@ -254,6 +259,33 @@ async def _place(service: Service, tenant: Tenant, request: _Request, *, fork: b
     await asyncio.to_thread(
         store.fork_conversation, previous.conversation_id, request.stored_id, upto=previous.end
     )
+    await asyncio.to_thread(
+        copy_cache, service.backend, previous.conversation_id, request.stored_id
+    )
+
+
+def copy_cache(backend: Any, source: str, target: str) -> bool:
+    """Give a branch a copy of the cache of the conversation it was forked from, so its first
+    turn reuses the prefix they share (best effort: False when nothing was copied).
+
+    The engine's state is taken out of its slot (or swap) and kept again for both; a
+    llama-server's slot is saved to a file and restored into a slot of the branch's.
+    """
+    export = getattr(backend, "export_state", None)
+    keep = getattr(backend, "import_state", None)
+    if export is None or keep is None:
+        return False  # a router: the branch is prefilled where it is placed
+    try:
+        state = export(source)
+        if state is None:
+            return False
+        if isinstance(state, SwapEntry):  # taken out of the engine: it goes back as well
+            keep(source, state)
+            state = dataclasses.replace(state, owner=target)
+        return bool(keep(target, state))
+    except ChatctxError as exc:
+        logger.warning("the branch %s starts without a cache: %s", target, exc)
+        return False
 
 
 def _spec(service: Service, tenant: Tenant, request: _Request) -> TurnSpec:

@@ -129,6 +129,9 @@ def test_a_chain_of_ten_responses_is_one_conversation_and_a_fork_leaves_it_whole
     assert solo.usage is not None
     assert fork_turn.prompt_tokens == solo.usage.prompt_tokens
     assert usages[-1] is not None and fork_turn.prompt_tokens < usages[-1].input_tokens
+    # The branch started from a copy of the first branch's cache: the prefix they share
+    # (turns 1-5) was not evaluated again.
+    assert fork_turn.reused_tokens >= turns[4].prompt_tokens
 
     # The first branch goes on from its last response, in place.
     more = client.responses.create(
