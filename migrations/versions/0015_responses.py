@@ -18,8 +18,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("conversations") as batch:
-        batch.add_column(sa.Column("metadata", sa.JSON(), nullable=True))
+    op.add_column("conversations", sa.Column("metadata", sa.JSON(), nullable=True))
     op.create_table(
         "responses",
         sa.Column("id", sa.String(200), nullable=False),
@@ -45,5 +44,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("ix_responses_conversation_id", table_name="responses")
     op.drop_table("responses")
-    with op.batch_alter_table("conversations") as batch:
-        batch.drop_column("metadata")
+    # A plain ALTER TABLE (SQLite 3.35+): a batch rebuild would drop and recreate the table
+    # every other table's rows point at.
+    op.drop_column("conversations", "metadata")
