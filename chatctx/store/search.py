@@ -9,6 +9,10 @@ portable ``LIKE`` query scored here by the matched terms.
 
 User text is never passed to ``MATCH`` as is: it is cut into word terms, stopwords go, and each
 term is quoted, so FTS syntax or punctuation in a message can never raise.
+
+Text in scripts without word spaces (Chinese, Japanese, Thai ...) or with endings joined to
+their words (Korean) is searched by the character pairs of its runs, as substrings, on every
+database (the portable query): a word index would hold a whole run as one word.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Float, Row, column, or_, select, text
+from sqlalchemy import Connection, Float, Row, column, func, or_, select, text
 from sqlalchemy.sql.selectable import TextualSelect
 
 from chatctx.store._models import MessageRow
@@ -53,16 +57,47 @@ STOPWORDS = frozenset(
 )
 
 
+# Scripts written without spaces between words (Han, kana, Thai, Lao, Khmer, Myanmar) or
+# whose words take their endings joined on (Hangul: 환불은, 환불이): a word split by spaces is
+# no unit to search for there. Their runs are searched as overlapping character pairs, the
+# way CJK search engines index them, matched as substrings and weighed by their rarity in the
+# conversation (a pair in every message, an ending, weighs nothing): no word list.
+_UNSPACED = re.compile(
+    "["
+    "\u0e00-\u0eff\u1000-\u109f\u1100-\u11ff\u1780-\u17ff\u3040-\u30ff\u3130-\u318f"
+    "\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7a3\uf900-\ufaff\uff66-\uff9f"
+    "\U00020000-\U0002ffff"
+    "]+"
+)
+
+
+def _pairs(run: str) -> list[str]:
+    return [run] if len(run) < 3 else [run[i : i + 2] for i in range(len(run) - 1)]
+
+
 def query_terms(text_: str) -> list[str]:
-    """The searchable words of ``text_``: casefolded, stopwords and 1-letter words dropped."""
+    """The searchable terms of ``text_``, casefolded: its words, stopwords and 1-letter words
+    dropped; in unspaced scripts (``_UNSPACED``) the character pairs of each run instead."""
     terms: dict[str, None] = {}
     for word in _WORD.findall(text_.casefold()):
-        if word in STOPWORDS or (len(word) < 2 and not word.isdigit()):
+        runs = _UNSPACED.findall(word)
+        if runs:
+            rest = _UNSPACED.sub(" ", word).split()
+            found = [pair for run in runs for pair in _pairs(run)] + rest
+        elif word in STOPWORDS or (len(word) < 2 and not word.isdigit()):
             continue
-        terms[word] = None
+        else:
+            found = [word]
+        for term in found:
+            terms[term] = None
         if len(terms) >= MAX_TERMS:
             break
-    return list(terms)
+    return list(terms)[:MAX_TERMS]
+
+
+def unspaced(terms: Sequence[str]) -> bool:
+    """Whether any term is a run (or pair) of an unspaced script: matched as a substring."""
+    return any(_UNSPACED.search(term) for term in terms)
 
 
 def stem_prefix(term: str) -> str | None:
@@ -179,7 +214,10 @@ def search(
         return []
     excluded = set(exclude_ids)
     before = before_position if before_position is not None else NO_LIMIT
-    if has_fts(connection):
+    if unspaced(terms):
+        # Substrings: a word index holds whole space-separated words, no pairs.
+        found = _portable(connection, conversation_id, terms, before, replies)
+    elif has_fts(connection):
         found = _fts(connection, conversation_id, terms, before, limit + len(excluded), replies)
     elif has_tsvector(connection):
         found = _tsv(connection, conversation_id, terms, before, limit + len(excluded), replies)
@@ -280,26 +318,25 @@ def _portable(
     before: int,
     replies: bool,
 ) -> list[Match]:
-    # Any SQL database: candidates by LIKE, scored by the matched terms weighted by rarity
-    # among the candidates (a crude IDF), so one rare shared word beats two common ones.
+    # Any SQL database (and unspaced scripts on all): candidates by LIKE, scored by the
+    # matched terms weighted by their rarity among the conversation's messages (BM25's IDF),
+    # so one rare shared term beats two common ones and a term in most messages weighs
+    # next to nothing.
     table_ = MessageRow.__table__
     content = table_.c.content
+    searched = (table_.c.conversation_id == conversation_id, table_.c.position < before)
     query = (
         select(table_)
-        .where(
-            table_.c.conversation_id == conversation_id,
-            table_.c.position < before,
-            or_(*[content.icontains(term, autoescape=True) for term in terms]),
-        )
+        .where(*searched, or_(*[content.icontains(term, autoescape=True) for term in terms]))
         .order_by(table_.c.position.desc())
         .limit(FALLBACK_ROWS)
     )
     rows = list(connection.execute(query))
     found = [{t for t in terms if t in str(row.content).casefold()} for row in rows]
     df = {t: sum(t in f for f in found) for t in terms}
-    n = len(rows)
+    n = connection.execute(select(func.count()).where(*searched)).scalar() or len(rows)
     scored = [
-        (row, sum(math.log(1 + n / df[t]) for t in matched))
+        (row, sum(math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5)) for t in matched))
         for row, matched in zip(rows, found, strict=True)
         if matched
     ]

@@ -334,3 +334,73 @@ def test_a_rare_word_outranks_two_common_ones(db_url: str) -> None:
     # "passport" is in 1 of 7 messages, "printer" and "scanner" in 6: rarity wins.
     assert found[0][0].id == ids[6]
     assert len(found) == 7
+
+
+# Support chats in scripts without word spaces, or with endings joined to their words: the
+# stored form and the asked form differ ("환불이" stored, "환불은" asked; "返金手続き" stored,
+# "返金は" asked), and only the character pairs they share find them.
+UNSPACED = {
+    "korean": (
+        [
+            ("user", "주문한 신발이 아직 안 왔어요."),
+            ("assistant", "확인해 보겠습니다. 주문번호를 알려주세요."),
+            ("user", "환불이 가능한지 궁금해요. 주문번호는 KR-5521이에요."),
+            ("assistant", "환불 요청을 접수했습니다. 3일 안에 처리됩니다."),
+            ("user", "배송 주소는 서울 마포구예요."),
+            ("assistant", "주소를 확인했습니다."),
+        ],
+        "그런데 환불은 언제 되나요?",
+        3,
+    ),
+    "japanese": (
+        [
+            ("user", "注文した靴がまだ届きません。"),
+            ("assistant", "確認します。注文番号を教えてください。"),
+            ("user", "住所は大阪市北区です。"),
+            ("assistant", "返金手続きが完了しました。五日以内に戻ります。"),
+            ("user", "ありがとうございます。"),
+        ],
+        "返金はいつ戻りますか？",
+        3,
+    ),
+    "chinese": (
+        [
+            ("user", "我的订单还没有到。"),
+            ("assistant", "请告诉我您的订单号。"),
+            ("user", "订单号是CN-8830，地址在上海。"),
+            ("assistant", "好的，已经为您申请退款。"),
+            ("user", "谢谢。"),
+        ],
+        "退款什么时候到账？",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("language", sorted(UNSPACED))
+def test_unspaced_scripts_are_searched_by_the_pairs_their_words_share(
+    db_url: str, language: str
+) -> None:
+    chat, question, wanted = UNSPACED[language]
+    with Store(db_url) as store:
+        ids = fill(store, chat=chat)
+        found = store.search_messages("c", question, limit=1)
+    # Hand-picked: the message sharing the question's rarest pairs (on a tie, as with words,
+    # the later one: the reply saying what was done).
+    assert [m.id for m, _ in found] == [ids[wanted]]
+
+
+def test_an_identifier_inside_an_unspaced_run_is_its_own_term(db_url: str) -> None:
+    chat = UNSPACED["chinese"][0]
+    with Store(db_url) as store:
+        ids = fill(store, chat=chat)
+        found = store.search_messages("c", "我的订单号CN-8830在哪里", limit=1)
+    assert query_terms("订单号是CN-8830") == ["订单", "单号", "号是", "cn", "8830"]
+    assert [m.id for m, _ in found] == [ids[2]]
+
+
+def test_pairs_common_to_most_messages_weigh_nothing() -> None:
+    terms = query_terms("환불은 언제 되나요?")
+    assert terms == ["환불", "불은", "언제", "되나", "나요"]
+    assert query_terms("返金はいつ") == ["返金", "金は", "はい", "いつ"]
+    assert query_terms("order 77 in 東京") == ["order", "77", "東京"]
