@@ -7,7 +7,10 @@ llama-server of the same shape (``--slots`` slots of ``--n-ctx`` tokens, ``--met
 1. ``chatctx``: ``chatctx serve --backend`` in front of it; each turn is ``POST
    /v1/responses`` with only the new user message, ``previous_response_id`` (the customer's
    last response) and ``truncation: "auto"`` (chatctx's own fitting: whole turns out,
-   summary, recall);
+   summary, recall). With ``--swap`` (the default) llama-server runs with
+   ``--slot-save-path`` on both sides and chatctx serve saves a customer's slot there when
+   another customer takes it (``--no-swap``: the server's own host-RAM prompt cache only,
+   which gives a prompt back when its beginning matches, never after an eviction);
 2. ``direct``: llama-server's own ``/v1/responses``, which is stateless (it refuses
    ``previous_response_id``): each turn resends the customer's whole history as input items
    (user messages, the assistant's ``output_text`` messages). A turn it refuses with 400
@@ -27,7 +30,7 @@ runs both sides N times, alternating which goes first, and reports each round's 
 their medians, and the table by turn index over all rounds.
 
     python bench/responses_bench.py --llama-server BIN [--model GGUF] [--clients 8]
-        [--turns 10] [--rounds 3] [--n-ctx 1024] [--slots 4] [--json out.json]
+        [--turns 10] [--rounds 3] [--n-ctx 1024] [--slots 4] [--no-swap] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from _sse import HTTPStatusError, SSEClient
 from serve_bench import (
     Refused,
+    _tree_ticks,
     llama_server,
     load_average,
     others_cores,
@@ -97,6 +103,8 @@ async def agent_loop(url: str, args: argparse.Namespace, side: str) -> list[dict
     """Every customer's turns, all customers at once; one record per turn asked."""
     records: list[dict[str, Any]] = []
 
+    conversations: dict[int, str] = {}  # chatctx: each customer's, named after its first
+
     async def customer(client: SSEClient, n: int) -> None:
         previous: str | None = None  # chatctx: the customer's last response
         history: list[dict[str, Any]] = []  # direct: the input items resent each turn
@@ -143,6 +151,7 @@ async def agent_loop(url: str, args: argparse.Namespace, side: str) -> list[dict
                     "outgrown": outgrown,
                 }
                 previous = response["id"]
+                conversations.setdefault(n, previous)
                 reply = {"type": "output_text", "text": answer["reply"]}
                 history += [new, {"type": "message", "role": "assistant", "content": [reply]}]
                 break
@@ -156,7 +165,33 @@ async def agent_loop(url: str, args: argparse.Namespace, side: str) -> list[dict
     finally:
         for client in clients:
             await client.aclose()
+    if side == "chatctx":
+        await turn_figures(url, conversations, records)
     return records
+
+
+# Where a chatctx turn's time went, from its turn record (``/v1/conversations/{id}/stats``).
+TURN_FIGURES = (
+    "queue_ms", "build_ms", "store_ms", "summary_ms", "recall_ms", "recall_tokens",
+    "summary_tokens", "prefill_ms", "engine_ttft_ms", "slot", "swap_in", "reprefill_reason",
+    "kv_fallback", "reused_tokens", "swap_in_ms", "swap_in_bytes",
+)  # fmt: skip
+
+
+async def turn_figures(
+    url: str, conversations: dict[int, str], records: list[dict[str, Any]]
+) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for n, conversation in conversations.items():
+            r = await http.get(f"/v1/conversations/{conversation}/stats")
+            r.raise_for_status()
+            turns = r.json()["turns"]
+            mine = sorted(
+                (x for x in records if x["client"] == n and "error" not in x),
+                key=lambda x: x["turn"],
+            )
+            for record, row in zip(mine, turns, strict=False):
+                record |= {k: row.get(k) for k in TURN_FIGURES}
 
 
 def run_side(side: str, model: Path, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -164,16 +199,22 @@ def run_side(side: str, model: Path, args: argparse.Namespace, folder: Path) -> 
     folder = folder / side
     folder.mkdir()
     machine: dict[str, Any] = {}
-    with llama_server(model, args, folder) as direct, contextlib.ExitStack() as stack:
+    # The same llama-server both ways; a slot-save path changes nothing for llama-server's own
+    # serving, and lets chatctx save a customer's slot when another takes it.
+    slots = ["--slot-save-path", str(folder / "slots")] if args.swap else []
+    (folder / "slots").mkdir()
+    with llama_server(model, args, folder, slots) as direct, contextlib.ExitStack() as stack:
         url = direct
         if side == "chatctx":
-            url = stack.enter_context(server(model, args, folder, backend=direct))
+            url = stack.enter_context(server(model, args, folder, backend=direct, extra=slots))
         with others_cores(machine):
             before = prompt_tokens(direct)
+            ticks = _tree_ticks(os.getpid())
             started = time.perf_counter()
             records = asyncio.run(agent_loop(url, args, side))
             elapsed = time.perf_counter() - started
             counted = prompt_tokens(direct) - before  # the server's own counter
+            cpu = cpu_seconds(ticks, _tree_ticks(os.getpid()))
     answered = sum(1 for r in records if "error" not in r)
     return {
         "elapsed_s": round(elapsed, 1),
@@ -184,10 +225,32 @@ def run_side(side: str, model: Path, args: argparse.Namespace, folder: Path) -> 
         "server_evaluated": counted,
         "server_evaluated_per_turn": round(counted / max(answered, 1), 1),
         "turn_evaluated_sum": sum(r.get("evaluated") or 0 for r in records),
+        "cpu_s": cpu,
         "load_average": load_average(),
         **machine,
         "records": records,
     }
+
+
+def cpu_seconds(before: dict[int, int], after: dict[int, int]) -> dict[str, float]:
+    """CPU seconds of this process and its children over the run, by kind: llama-server,
+    chatctx serve, this benchmark (its clients)."""
+    out: dict[str, float] = {}
+    for pid, ticks in after.items():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        kind = (
+            "llama-server"
+            if "llama-server" in command
+            else "chatctx serve"
+            if "chatctx serve" in command
+            else "bench"
+        )
+        spent = (ticks - before.get(pid, 0)) / os.sysconf("SC_CLK_TCK")
+        out[kind] = round(out.get(kind, 0.0) + spent, 1)
+    return out
 
 
 # figures -----------------------------------------------------------------------------------
@@ -206,7 +269,7 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in records if "error" not in r]
     ttfts = [r["ttft_ms"] for r in ok]
     evaluated = [r["evaluated"] for r in ok if r.get("evaluated") is not None]
-    return {
+    out: dict[str, Any] = {
         "n": len(ok),
         "errors": len(records) - len(ok),
         "ttft_p50_ms": round(percentile(ttfts, 50) or 0, 1),
@@ -216,6 +279,11 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
             statistics.mean([r["input_tokens"] for r in ok if r.get("input_tokens")] or [0]), 1
         ),
     }
+    for key in ("queue_ms", "build_ms", "prefill_ms"):  # chatctx's turn records
+        values = [r[key] for r in ok if r.get(key) is not None]
+        if values:
+            out[f"{key}_p50"] = round(percentile(values, 50) or 0, 1)
+    return out
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -307,6 +375,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="max_output_tokens")
     parser.add_argument("--threads", type=int, default=None, help="llama-server -t")
     parser.add_argument("--rounds", type=int, default=1, help="both sides this often")
+    parser.add_argument(
+        "--swap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="llama-server with --slot-save-path, chatctx serve saving a customer's slot when "
+        "another takes it (--no-swap: the server's host-RAM prompt cache only)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     model = args.model or default_model_path()

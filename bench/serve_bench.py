@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,15 +269,21 @@ def prompt_tokens(url: str) -> int:
 
 
 @contextlib.contextmanager
-def server(model: Path, args: argparse.Namespace, folder: Path, backend: str | None = None) -> Any:
+def server(
+    model: Path,
+    args: argparse.Namespace,
+    folder: Path,
+    backend: str | None = None,
+    extra: Sequence[str] = (),
+) -> Any:
     """``chatctx serve`` on ``model`` in this process's place, or in front of the llama-server
-    at ``backend`` (``model`` is then read for its tokenizer)."""
+    at ``backend`` (``model`` is then read for its tokenizer); ``extra``: more options."""
     port = free_port()
     command = [
         sys.executable, "-m", "chatctx", "serve", "--port", str(port), "--model", str(model),
         "--db", f"sqlite:///{folder / 'serve.db'}", "--n-ctx", str(args.n_ctx),
         "--slots", str(args.slots), "--max-concurrent-turns", str(args.clients),
-        "--no-access-log", *(["--backend", backend] if backend else []),
+        "--no-access-log", *(["--backend", backend] if backend else []), *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CHATCTX_HOME": str(folder / "home")}
     with (folder / "serve.log").open("wb") as log:
@@ -419,8 +425,11 @@ def tiny_model() -> Path:
 
 
 @contextlib.contextmanager
-def llama_server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
-    """llama-server itself: ``--slots`` slots of ``--n-ctx`` tokens, cache_prompt as it ships."""
+def llama_server(
+    model: Path, args: argparse.Namespace, folder: Path, extra: Sequence[str] = ()
+) -> Any:
+    """llama-server itself: ``--slots`` slots of ``--n-ctx`` tokens, cache_prompt as it ships
+    (``extra``: more options)."""
     from _llama_server import llama_server as start
 
     threads = args.threads or os.cpu_count() or 1
@@ -430,7 +439,7 @@ def llama_server(model: Path, args: argparse.Namespace, folder: Path) -> Any:
         slots=args.slots,
         n_ctx=args.n_ctx,
         threads=threads,
-        extra=["--threads-http", str(args.clients + 4)],  # every client served at once
+        extra=["--threads-http", str(args.clients + 4), *extra],  # every client served at once
         log=folder / "llama-server.log",
     ) as proc:
         yield proc.url

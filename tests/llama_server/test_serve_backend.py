@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -230,3 +231,50 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_fork_on_llama_server_starts_from_a_copy_of_its_cache(
+    server: LlamaServerProcess, smollm2_path: Path, tmp_path: Path
+) -> None:
+    # A response continuing an earlier one forks the conversation: the source's slot is saved
+    # to the server's --slot-save-path and restored into the branch's, so the prefix they share
+    # is not evaluated again. The oracle: the prompt tokens llama-server counts (/metrics).
+    assert server.slot_save_path is not None
+    serve = ServerProcess(
+        tmp_path,
+        smollm2_path,
+        "--backend",
+        server.url,
+        "--slot-save-path",
+        str(server.slot_save_path),
+    )
+    client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    sampling: dict[str, Any] = {"model": "any", "max_output_tokens": 4, "temperature": 0}
+    try:
+        ids: list[str] = []
+        for question in ("My parcel has not come.", "It was due on Monday.", "Who carries it?"):
+            previous = ids[-1] if ids else None
+            ids.append(
+                client.responses.create(
+                    input=question, previous_response_id=previous, **sampling
+                ).id
+            )
+        before = metrics(server.url)["prompt_tokens_total"]
+        fork = client.responses.create(
+            input="Cancel it instead.", previous_response_id=ids[1], **sampling
+        )
+        evaluated = metrics(server.url)["prompt_tokens_total"] - before
+    finally:
+        assert serve.stop() == 0
+    with serve.store() as store:
+        source = store.get_response(ids[0])
+        branch = store.get_response(fork.id)
+        assert source is not None and branch is not None
+        assert branch.conversation_id != source.conversation_id
+        second = store.turns(source.conversation_id)[1]
+        fork_turn = store.turns(branch.conversation_id)[-1]
+    # The branch's prompt begins with the second turn's prompt: the server evaluated at most
+    # what follows it (the second reply and the new question).
+    assert fork_turn.prompt_tokens > second.prompt_tokens
+    assert evaluated <= fork_turn.prompt_tokens - second.prompt_tokens
+    assert fork_turn.reused_tokens >= second.prompt_tokens
