@@ -17,7 +17,8 @@ from chatctx.backends.base import Backend
 from chatctx.backends.llama_server import LlamaServerBackend, LlamaServerProcess, free_port
 from chatctx.errors import GenerationError
 from chatctx.settings import GenerationSettings
-from tests.llama_server.conftest import N_CTX, SLOTS
+from tests.llama_server.conftest import N_CTX, SLOTS, start_server
+from tests.llama_server.test_router_servers import metrics
 
 pytestmark = pytest.mark.slow
 
@@ -299,3 +300,63 @@ def test_a_server_loading_its_model_is_unavailable_loading(
         assert gone.value.reason == "refused"
     finally:
         loading.stop()
+
+
+@pytest.mark.parametrize("ram_cache", [True, False])
+def test_an_edited_prompt_of_a_conversation_that_lost_its_slot_comes_back_from_the_ram_cache(
+    llama_server_binary: Path, smollm2_path: Path, tmp_path: Path, ram_cache: bool
+) -> None:
+    # One slot, no swap files: customer A loses the slot to B, then comes back with turns
+    # deleted from the front of its history (an eviction), twice. The server's host-RAM
+    # prompt cache keeps A's prompt but looks it up by its beginning only; asked for A's last
+    # prompt first, it gives it back and its cache-reuse walk keeps what follows the deletion.
+    # The oracle: the prompt tokens the server counts (/metrics), and the same turns on a
+    # server without that cache (--cache-ram 0): there the last prompt, asked for once, is
+    # evaluated, and then never asked for again.
+    extra = () if ram_cache else ("--cache-ram", "0")
+    server = start_server(llama_server_binary, smollm2_path, tmp_path, slots=1, extra=extra)
+    first = {"role": "user", "content": "My parcel has not arrived."}
+    middle = {"role": "user", "content": "It is order A-1177. " + "It was a gift. " * 40}
+    last = {"role": "user", "content": "The courier said Tuesday. " + "I waited at home. " * 40}
+    other = [{"role": "user", "content": "What are your opening hours?"}]
+    answer = {"role": "assistant", "content": "I am looking into it."}
+    prompts = [
+        [first, answer, middle, answer, last, answer],
+        [middle, answer, last, answer, {"role": "user", "content": "Any news?"}],
+        [last, answer, {"role": "user", "content": "Still nothing?"}],
+    ]
+    spent: list[tuple[int, int, int]] = []  # (prompt length, server counted, turn record)
+    try:
+        with LlamaServerBackend(server.url, model=smollm2_path, summary_slot=False) as backend:
+            for owner, messages in (("A", prompts[0]), ("B", other)):
+                lease = backend.lease(owner)
+                backend.generate(
+                    backend.prompt_tokens(messages), seq_id=lease.seq_id, settings=GREEDY
+                ).wait()
+                backend.release(lease)
+            for messages in prompts[1:]:
+                tokens = backend.prompt_tokens(messages)
+                before = metrics(server.url)["prompt_tokens_total"]
+                lease = backend.lease("A")
+                try:
+                    back = backend.generate(tokens, seq_id=lease.seq_id, settings=GREEDY).wait()
+                finally:
+                    backend.release(lease)
+                counted = metrics(server.url)["prompt_tokens_total"] - before
+                spent.append((len(tokens), int(counted), back.usage.evaluated_tokens))
+                lease = backend.lease("B")  # B takes the slot again
+                backend.generate(
+                    backend.prompt_tokens(other), seq_id=lease.seq_id, settings=GREEDY
+                ).wait()
+                backend.release(lease)
+            length0 = len(backend.prompt_tokens(prompts[0]))
+    finally:
+        server.stop()
+    for _, counted, recorded in spent:
+        assert recorded == counted  # a turn's record counts what bringing it back cost
+    (edit1, counted1, _), (edit2, counted2, _) = spent
+    if ram_cache:  # the kept turns (most of each prompt) came back, moved over the deletion
+        assert counted1 < edit1 // 3 and counted2 < edit2 // 3
+    else:  # the last prompt was asked for once and evaluated; the next edit was sent as is
+        assert counted1 > length0 // 2
+        assert edit2 // 2 < counted2 <= edit2

@@ -68,7 +68,7 @@ def test_busy_conversation_409_tenant_429_and_timeout(
     server: ServerProcess = start_server(
         tiny_llama3_path,
         "--n-ctx",
-        "2048",
+        "8192",
         "--slots",
         "2",
         "--max-concurrent-turns",
@@ -78,7 +78,8 @@ def test_busy_conversation_409_tenant_429_and_timeout(
         "--request-timeout",
         "4",
     )
-    long = {"messages": [{"role": "user", "content": "talk"}], "max_tokens": 1500}
+    # Replies longer than the tiny model writes in 4 s on a fast CPU (1,500 tokens took less).
+    long = {"messages": [{"role": "user", "content": "talk"}], "max_tokens": 8000}
     first = Streaming(server, {**long, "conversation": "x"})
     first.start()
     assert first.first.wait(60) and first.status == 200

@@ -9,7 +9,9 @@ server's (``total_slots`` from ``GET /props``); the last one is kept for summari
 when all are taken gets the least recently used idle one: the server overwrites that slot's
 cache, and the conversation that had it re-evaluates its prompt when it comes back
 (``Lease.reprefill_reason`` says so; a server with a host-RAM prompt cache, ``--cache-ram``,
-may still bring it back: the turn's ``reused_tokens``, the server's ``cache_n``, tell). With
+may still bring it back: the turn's ``reused_tokens``, the server's ``cache_n``, tell; an
+edited prompt is preceded by a request for the last one, which that cache finds, see
+``_slot_files.SlotFiles._bring_back``). With
 ``swap=True`` the slot is saved to a file in the server's ``--slot-save-path`` first and
 restored into the slot the conversation gets when it comes back (``Lease.swap_in`` "disk"):
 the server's own prompt cache only looks for a better prompt when a slot would lose most of
@@ -29,6 +31,7 @@ token for token at ``repeat_penalty=1.0``.
 
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import threading
@@ -161,6 +164,10 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
         # Running generations (their workers hold them); one dropped unread never ran.
         self._streams: weakref.WeakSet[ServerStream] = weakref.WeakSet()
         self._lost: dict[str, str] = {}  # conversations whose slot went to another: why
+        # Without swap: the last prompt of each conversation that lost its slot, and whether
+        # the server's host-RAM prompt cache gives such a prompt back (see _bring_back).
+        self._left: collections.OrderedDict[str, array.array[int]] = collections.OrderedDict()
+        self._ram_cache = True
         self._mirror: dict[int, list[int]] = {}  # what chatctx believes each slot holds
         self._last_usage: dict[int, int] = {}
         self._usage_failed = False  # warned that /slots failed (once until it answers again)
@@ -480,6 +487,8 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
             body["grammar"] = grammar
         with self._lock:
             before = list(self._mirror[seq_id])
+        brought = None if before else self._bring_back(seq_id, tokens)
+        before, asked = brought or (before, 0)
 
         def report(cache_n: int, prompt_n: int) -> KVReport:
             plan = plan_in_order(before, tokens, min_chunk=self.cache_reuse)
@@ -491,7 +500,7 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
             return KVReport(
                 policy="server",
                 reused_tokens=cache_n,
-                evaluated_tokens=prompt_n,
+                evaluated_tokens=prompt_n + asked,  # with what bringing the prompt back took
                 evicted_tokens=max(0, len(before) - cache_n),
                 shifted_tokens=sum(moved) if as_walked else 0,
                 shift_count=len(moved) if as_walked else 0,
@@ -509,6 +518,7 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
             n_ctx=self._n_ctx,
             report=report,
             done=self._ended,
+            asked=asked,
         )
         with self._lock:
             self._check_open()

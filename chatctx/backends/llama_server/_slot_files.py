@@ -1,5 +1,7 @@
 """A llama-server's slot files: swapping a slot out to a file and back in (``swap``),
-saving and restoring a conversation's state, and forgetting a conversation.
+saving and restoring a conversation's state, and forgetting a conversation; without
+``swap``, bringing a conversation's prompt back from the server's host-RAM prompt cache
+when its prompt was edited (``_bring_back``).
 
 The server writes and reads the files in its ``--slot-save-path``; chatctx names them and,
 where that folder is seen from this machine, bounds and deletes them. Mixed into
@@ -8,13 +10,14 @@ where that folder is seen from this machine, bounds and deletes them. Mixed into
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +25,7 @@ from chatctx.backends.base import Lease
 from chatctx.backends.pool import SlotPool
 from chatctx.backends.swap import SwapEntry, SwapHit
 from chatctx.errors import BackendUnavailable, ChatctxError, GenerationError
+from chatctx.model.kv import common_prefix, plan_in_order
 
 logger = logging.getLogger("chatctx.backends.llama_server")
 
@@ -30,6 +34,7 @@ _NO_SWAP = SwapHit(None, None, None)
 LOST = "slot taken by another conversation (llama-server keeps no swap)"
 NOT_SAVED = "slot taken by another conversation and not saved (the save failed)"
 DROPPED = "swap file deleted: the swap files took over swap_disk_mb"
+LEFT_MAX = 256  # conversations whose last prompt is remembered after losing their slot
 
 
 class SlotFiles:
@@ -46,6 +51,9 @@ class SlotFiles:
     _files: collections.OrderedDict[str, int]
     _warned_disk: bool
     _lost: dict[str, str]
+    _left: collections.OrderedDict[str, array.array[int]]
+    _ram_cache: bool
+    cache_reuse: int
 
     if TYPE_CHECKING:  # defined by the class this is mixed into
 
@@ -88,6 +96,57 @@ class SlotFiles:
         with self._lock:
             self._saved.pop(owner, None)
             self._lost[owner] = NOT_SAVED if self.swap else LOST
+            if tokens:
+                self._left[owner] = array.array("i", tokens)
+                self._left.move_to_end(owner)
+                while len(self._left) > LEFT_MAX:
+                    self._left.popitem(last=False)
+
+    def _bring_back(self, seq_id: int, prompt: Sequence[int]) -> tuple[list[int], int] | None:
+        """Before ``prompt`` is sent to slot ``seq_id``, which holds nothing of its
+        conversation: where that conversation's last prompt is remembered and ``prompt`` is
+        an edit of it (turns evicted from its middle), ask the server for that last prompt
+        first (no token generated), so its host-RAM prompt cache gives it back and the
+        cache-reuse walk keeps the runs after the edit. The server's cache only looks up a
+        prompt by its beginning: without this an edited prompt is evaluated whole. An
+        extension of the last prompt needs nothing (the server finds it itself).
+
+        Returns what the slot now holds and the tokens the server evaluated for it (1 when its
+        cache had the prompt); None when nothing was asked. A server without that cache
+        (``--cache-ram 0``) evaluates the whole prompt once, and is not asked again.
+        """
+        owner = self.pool.owner_of(seq_id)
+        with self._lock:
+            left = self._left.pop(owner, None) if owner is not None else None
+            if left is None or not self._ram_cache:
+                return None
+        last = left.tolist()
+        plan = plan_in_order(last, prompt, min_chunk=self.cache_reuse)
+        if plan.prefix + plan.chunk_len - common_prefix(last, prompt) <= self.cache_reuse:
+            return None  # an extension, or an edit that keeps little more than its beginning
+        body = {
+            "prompt": last,
+            "id_slot": seq_id,
+            "cache_prompt": True,
+            "n_predict": 0,
+            "n_cache_reuse": self.cache_reuse,
+        }
+        try:
+            reply = self._post("/completion", body, f"bringing slot {seq_id}'s prompt back")
+        except ChatctxError as exc:  # the turn goes on and evaluates what it must
+            logger.warning("%s: %r's last prompt not brought back: %s", self.name, owner, exc)
+            return None
+        timings = reply.get("timings") or {}
+        if int(timings.get("cache_n") or 0) < len(last) - 1:
+            self._ram_cache = False
+            logger.info(
+                "%s: its prompt cache did not give a prompt back (--cache-ram 0?): an edited "
+                "prompt of a conversation that lost its slot is evaluated whole from now on",
+                self.name,
+            )
+        with self._lock:
+            self._mirror[seq_id] = last
+        return last, int(timings.get("prompt_n") or 0)
 
     def _bound_swap_files(self, just_saved: str, keep: str | None) -> None:
         """Delete the swap files saved longest ago while they take over ``swap_disk_mb``
@@ -154,6 +213,7 @@ class SlotFiles:
         seq = self.slot_of(conversation)
         with self._lock:
             self._lost.pop(conversation, None)
+            self._left.pop(conversation, None)
             self._saved.pop(conversation, None)
             self._files.pop(conversation, None)
         if self.swap and self.slot_save_path is not None:

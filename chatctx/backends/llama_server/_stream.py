@@ -58,6 +58,7 @@ class ServerStream:
         n_ctx: int,
         report: Callable[[int, int], KVReport],
         done: Callable[[ServerStream], None],
+        asked: int = 0,
     ) -> None:
         self.result: GenerationResult | None = None
         self.text = ""
@@ -68,6 +69,7 @@ class ServerStream:
         self._prompt = list(prompt)
         self._n_ctx = n_ctx
         self._report = report  # (cache_n, prompt_n) -> the KV report of this turn
+        self._asked = asked  # tokens evaluated for this turn before it (its prompt brought back)
         self._done = done  # called once the worker has let go (the backend forgets it)
         self._out: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
@@ -259,7 +261,7 @@ class ServerStream:
             usage=Usage(
                 prompt_tokens=len(self._prompt),
                 reused_tokens=cache_n,
-                evaluated_tokens=prompt_n,
+                evaluated_tokens=prompt_n + self._asked,
                 generated_tokens=generated,
             ),
             timings=Timings(
