@@ -8,6 +8,9 @@ must all agree with it.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 
 from chatctx.backends.engine import Embedder
+from chatctx.backends.engine._embedder import BACKGROUND_NICE
 from chatctx.errors import ModelError
 from chatctx.model.embedder import _bundled_model_dir, convert_bert, default_embedder_path
 
@@ -84,6 +88,20 @@ def test_prefetch_embeds_in_the_background(embedder: Embedder) -> None:
     assert embedder.pending() == 0 and embedder.calls == before + 5
     embedder.embed(texts)
     assert embedder.calls == before + 5  # all cached by the background pass
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
+def test_the_background_thread_yields_the_cpu_to_the_model(embedder: Embedder) -> None:
+    # The oracle is the OS: the nice value it reports for each thread of this process.
+    embedder.prefetch(["a sentence to have the worker started"])
+    deadline = time.monotonic() + 30
+    while embedder.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)  # it has embedded the sentence: it set its priority before
+    worker = next(t for t in threading.enumerate() if t.name == "chatctx-embedder")
+    assert worker.native_id is not None
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, worker.native_id) == max(BACKGROUND_NICE, mine)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only the worker
 
 
 def test_conversion_is_reproducible_and_leaves_no_partial_file(

@@ -8,14 +8,19 @@ which chatctx does not use) and, on first use, converts the weights once to a GG
 ``ContextSettings.recall_model`` points at any other BERT-family embedding GGUF instead.
 
 One forward pass of a short chat message takes a few milliseconds on a CPU core, so embeddings
-are computed lazily and kept in a bounded cache keyed by the text.
+are computed lazily and kept in a bounded cache keyed by the text. Those embedded ahead of a
+search (``prefetch``) run on a thread of lower scheduling priority (``BACKGROUND_NICE``): on
+a machine whose cores the model's threads keep busy (a CPU llama-server, the in-process
+engine) they take the time the model leaves, not the model's.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +36,10 @@ from chatctx.model.embedder import EMBEDDER_CONTEXT, default_embedder_path, embe
 
 Vectors = npt.NDArray[np.float32]
 logger = logging.getLogger("chatctx.backends.engine")
+
+# The background embedding thread's nice value, where the OS sets one per thread (Linux): a
+# thread at 10 gets about a tenth of the CPU a busy thread at 0 gets beside it.
+BACKGROUND_NICE = 10
 
 
 class Embedder:
@@ -126,6 +135,8 @@ class Embedder:
         return self._queued
 
     def _work(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # not Linux: the thread stays as is
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         while True:
             texts = self._queue.get()
             if texts is None:
