@@ -7,10 +7,10 @@ llama-server of the same shape (``--slots`` slots of ``--n-ctx`` tokens, ``--met
 1. ``chatctx``: ``chatctx serve --backend`` in front of it; each turn is ``POST
    /v1/responses`` with only the new user message, ``previous_response_id`` (the customer's
    last response) and ``truncation: "auto"`` (chatctx's own fitting: whole turns out,
-   summary, recall). With ``--swap`` (the default) llama-server runs with
-   ``--slot-save-path`` on both sides and chatctx serve saves a customer's slot there when
-   another customer takes it (``--no-swap``: the server's own host-RAM prompt cache only,
-   which gives a prompt back when its beginning matches, never after an eviction);
+   summary, recall). A customer whose slot went to another comes back through llama-server's
+   host-RAM prompt cache (chatctx asks for its last prompt first when an eviction edited
+   it); with ``--swap`` llama-server runs with ``--slot-save-path`` on both sides and
+   chatctx serve saves a customer's slot there when another takes it;
 2. ``direct``: llama-server's own ``/v1/responses``, which is stateless (it refuses
    ``previous_response_id``): each turn resends the customer's whole history as input items
    (user messages, the assistant's ``output_text`` messages). A turn it refuses with 400
@@ -30,7 +30,7 @@ runs both sides N times, alternating which goes first, and reports each round's 
 their medians, and the table by turn index over all rounds.
 
     python bench/responses_bench.py --llama-server BIN [--model GGUF] [--clients 8]
-        [--turns 10] [--rounds 3] [--n-ctx 1024] [--slots 4] [--no-swap] [--json out.json]
+        [--turns 10] [--rounds 3] [--n-ctx 1024] [--slots 4] [--swap] [--json out.json]
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def run_side(side: str, model: Path, args: argparse.Namespace, folder: Path) -> 
     # The same llama-server both ways; a slot-save path changes nothing for llama-server's own
     # serving, and lets chatctx save a customer's slot when another takes it.
     slots = ["--slot-save-path", str(folder / "slots")] if args.swap else []
-    (folder / "slots").mkdir()
+    (folder / "slots").mkdir()  # llama-server refuses a save path that is not there
     with llama_server(model, args, folder, slots) as direct, contextlib.ExitStack() as stack:
         url = direct
         if side == "chatctx":
@@ -378,9 +378,9 @@ def main() -> None:
     parser.add_argument(
         "--swap",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="llama-server with --slot-save-path, chatctx serve saving a customer's slot when "
-        "another takes it (--no-swap: the server's host-RAM prompt cache only)",
+        "another takes it (default: the server's host-RAM prompt cache only)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()

@@ -18,9 +18,12 @@ class Streaming(threading.Thread):
     """A streamed chat request read to its end in a thread; ``first`` is set at its first
     event (the turn is then in flight on the server)."""
 
-    def __init__(self, server: ServerProcess, body: dict[str, Any]) -> None:
+    def __init__(
+        self, server: ServerProcess, body: dict[str, Any], path: str = "/v1/chat/completions"
+    ) -> None:
         super().__init__(daemon=True)
         self.server = server
+        self.path = path
         self.body = {**body, "stream": True}
         self.first = threading.Event()
         self.events: list[str] = []
@@ -28,7 +31,7 @@ class Streaming(threading.Thread):
 
     def run(self) -> None:
         with httpx.stream(
-            "POST", f"{self.server.url}/v1/chat/completions", json=self.body, timeout=120
+            "POST", f"{self.server.url}{self.path}", json=self.body, timeout=120
         ) as response:
             self.status = response.status_code
             for line in response.iter_lines():
@@ -156,3 +159,36 @@ def test_a_client_gone_mid_reply_ends_it_stored_as_partial(
     # The conversation's lock and the only slot are free again.
     assert ask(server, "gone").status_code == 200
     assert ask(server, "other").status_code == 200
+
+
+def test_responses_have_the_same_limits(tiny_llama3_path: Path, start_server: Any) -> None:
+    # /v1/responses goes through the turn limits of chat completions: 413 past the body
+    # limit, 429 past the tenant's turns in flight, a reply cut at the request timeout.
+    limits = {"--max-concurrent-turns": 1, "--request-timeout": 3, "--max-body-bytes": 4096}
+    options = [str(x) for pair in limits.items() for x in pair]
+    server: ServerProcess = start_server(tiny_llama3_path, "--n-ctx", "8192", *options)
+    url = f"{server.url}/v1/responses"
+    too_big = httpx.post(url, json={"input": "x" * 5000}, timeout=60)
+    assert too_big.status_code == 413, too_big.text
+    assert too_big.json()["error"]["type"] == "invalid_request_error"
+
+    long = Streaming(server, {"input": "talk", "max_output_tokens": 8000}, path="/v1/responses")
+    long.start()
+    assert long.first.wait(60) and long.status == 200
+    limited = httpx.post(url, json={"input": "hello", "max_output_tokens": 2}, timeout=60)
+    assert limited.status_code == 429, limited.text
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+    long.join(60)
+    last = json.loads(long.events[-1])
+    assert last["type"] == "response.incomplete"
+    response = last["response"]
+    assert response["incomplete_details"] == {"reason": "interrupted"}
+    assert response["chatctx"]["stop_reason"] == "timeout"
+    stored = httpx.get(f"{url}/{response['id']}", timeout=60).json()
+    assert stored["status"] == "incomplete"
+    assert stored["output"][0]["content"][0]["text"] == response["output"][0]["content"][0]["text"]
+    with server.store() as store:
+        found = store.get_response(response["id"])
+        assert found is not None
+        reply = store.messages(found.conversation_id)[-1]
+    assert reply.status == "partial" and reply.content == stored["output"][0]["content"][0]["text"]
