@@ -202,7 +202,8 @@ def run_side(side: str, model: Path, args: argparse.Namespace, folder: Path) -> 
     # The same llama-server both ways; a slot-save path changes nothing for llama-server's own
     # serving, and lets chatctx save a customer's slot when another takes it.
     slots = ["--slot-save-path", str(folder / "slots")] if args.swap else []
-    (folder / "slots").mkdir()  # llama-server refuses a save path that is not there
+    if args.swap:
+        (folder / "slots").mkdir()  # llama-server refuses a save path that is not there
     with llama_server(model, args, folder, slots) as direct, contextlib.ExitStack() as stack:
         url = direct
         if side == "chatctx":

@@ -125,6 +125,22 @@ def test_every_server_slot_serves_customers_unless_a_summary_slot_is_asked_for(
         assert kept is not summary_slot, (cid, first.prompt_tokens, second.reused_tokens)
 
 
+def _serve_with_slot_files(
+    server: LlamaServerProcess, model: Path, folder: Path, *extra: str
+) -> ServerProcess:
+    """``chatctx serve`` in front of ``server``, saving slots to its ``--slot-save-path``."""
+    assert server.slot_save_path is not None
+    return ServerProcess(
+        folder,
+        model,
+        "--backend",
+        server.url,
+        "--slot-save-path",
+        str(server.slot_save_path),
+        *extra,
+    )
+
+
 def test_serve_swaps_a_slot_given_away_to_the_servers_slot_save_path(
     llama_server_binary: Path, smollm2_path: Path, tmp_path: Path
 ) -> None:
@@ -136,16 +152,7 @@ def test_serve_swaps_a_slot_given_away_to_the_servers_slot_save_path(
     server = start_server(llama_server_binary, smollm2_path, tmp_path / "server", slots=1)
     assert server.slot_save_path is not None
     try:
-        serve = ServerProcess(
-            tmp_path,
-            smollm2_path,
-            "--backend",
-            server.url,
-            "--slot-save-path",
-            str(server.slot_save_path),
-            "--swap-disk-mb",
-            "1",
-        )
+        serve = _serve_with_slot_files(server, smollm2_path, tmp_path, "--swap-disk-mb", "1")
         try:
             for _ in range(2):
                 for customer in ("left", "right"):
@@ -239,15 +246,7 @@ def test_a_fork_on_llama_server_starts_from_a_copy_of_its_cache(
     # A response continuing an earlier one forks the conversation: the source's slot is saved
     # to the server's --slot-save-path and restored into the branch's, so the prefix they share
     # is not evaluated again. The oracle: the prompt tokens llama-server counts (/metrics).
-    assert server.slot_save_path is not None
-    serve = ServerProcess(
-        tmp_path,
-        smollm2_path,
-        "--backend",
-        server.url,
-        "--slot-save-path",
-        str(server.slot_save_path),
-    )
+    serve = _serve_with_slot_files(server, smollm2_path, tmp_path)
     client = OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=600)
     sampling: dict[str, Any] = {"model": "any", "max_output_tokens": 4, "temperature": 0}
     try:
