@@ -49,12 +49,13 @@ from chatctx.replay import (
     replay_all,
     summarize,
 )
+from chatctx.settings import ContextSettings
 from chatctx.store import Message, Store
 from chatctx.synthetic import support_conversation
 
 HERE = Path(__file__).resolve().parent
 PROBES = HERE / "facts" / "everyday_probes.jsonl.gz"
-HAS_RECALL = "recall" in ReplayConfig.model_fields
+HAS_RECALL = "recall" in ContextSettings.model_fields
 _RETAINED = _run._retained
 # (label, policy, summarizer, recall)
 SETUPS = (
@@ -262,7 +263,7 @@ def _main(args: argparse.Namespace) -> None:
     codec = open_codec(model)
     print(f"model (tokenizer and template only): {model.name}; recall available: {HAS_RECALL}")
     if HAS_RECALL:
-        defaults = ReplayConfig()
+        defaults = ReplayConfig().context
         search = SEARCH or getattr(defaults, "recall_search", "words")
         if search == "auto":
             from chatctx.model.embedder import embedder_available
