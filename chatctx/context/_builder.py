@@ -28,6 +28,8 @@ from chatctx.context._recall import (
     group_hits,
     is_question,
     known_text,
+    marked,
+    reads_english,
     render_section,
     repeats,
     says_nothing,
@@ -558,10 +560,15 @@ class ContextBuilder:
             return "full" if is_question(message) else None
         if asks_back(message):
             return "full"
+        # Text the English cue words cannot read (another language) asks back by its
+        # question mark, in whatever script; unmarked, it recalls what is near in meaning.
+        english = reads_english(message)
+        if not english and marked(message):
+            return "full"
         near = (
             s.recall_near_similarity <= 1
             and getattr(self.recall, "by_meaning", False)
-            and is_question(message)
+            and (is_question(message) or not english)
             and not says_nothing(message)  # "what?", "really?": close to any chat
         )
         return "near" if near else None

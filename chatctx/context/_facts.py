@@ -33,10 +33,18 @@ FACTS_PREFIX = "Facts: "
 
 # Identifiers: order/ticket numbers and models (NH-48213, T-7781, AX3000, 4K55), #refs,
 # long numbers, amounts, e-mail addresses.
+# Bounded by anything but a Latin letter or digit: in Chinese, Japanese or Korean an identifier
+# sits between letters of the sentence ("订单号是DM7720135946一共", "번호는A-4821이고").
 _IDENTIFIER = re.compile(
-    r"\b(?:[A-Z]{1,6}-?\d[\w-]*|\d+[A-Z][\w-]*|#\d[\w-]*|\d{4,})\b"
+    r"(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
+    r"|#\d[A-Za-z0-9_-]*|\d{4,})(?![A-Za-z0-9_])"
     r"|[$€£]\s?\d[\d,.]*|\b[\w.+-]+@[\w-]+\.[\w.]+\b"
 )
+# Values written the same way in any language: times, dates, phone numbers and grouped amounts
+# (14:30, 3/14, 090-4418-2275, 38,000), and a number joined to a letter of a script other than
+# Latin, its unit ("38,000원", "10시", "3月14日", "5号"; one letter: the rest of the run is
+# the sentence). The longer of overlapping matches counts (``identifiers``).
+_VALUE = re.compile(r"\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|\d+(?![A-Za-z])[^\W\d_]")
 # People introducing themselves with a capitalized name: "my name is Maria Lopez", "I'm Jonas".
 _INTRODUCED = re.compile(
     r"\b(?:[Mm]y name is|[Nn]ame's|I am|I'm|[Tt]his is|[Cc]all me)\s+"
@@ -45,7 +53,8 @@ _INTRODUCED = re.compile(
 # Sentence ends, not abbreviations ("St. Mary's", "Dr. Lee", "Apt. 4").
 _SENTENCE = re.compile(
     r"(?<=[.!?])(?<!\b[Ss]t\.)(?<!\b[Mm]r\.)(?<!\b[Dd]r\.)(?<!\b[Mm]s\.)(?<!\b[Mm]rs\.)"
-    r"(?<!\b[Jj]r\.)(?<!\b[Aa]pt\.)(?<!\b[Aa]ve\.)(?<!\b[Nn]o\.)(?<!\b[Vv]s\.)\s+|\n+"
+    r"(?<!\b[Jj]r\.)(?<!\b[Aa]pt\.)(?<!\b[Aa]ve\.)(?<!\b[Nn]o\.)(?<!\b[Vv]s\.)\s+"
+    r"|(?<=[\u3002\uff01\uff1f])\s*|\n+"  # Chinese and Japanese end a sentence without a space
 )
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "`": "'"})
 _I = re.IGNORECASE
@@ -426,8 +435,17 @@ class Statement:
 
 
 def identifiers(text: str) -> list[str]:
-    """Identifiers in ``text`` in order of appearance (duplicates kept)."""
-    return _IDENTIFIER.findall(text) + _INTRODUCED.findall(text)
+    """Identifiers and values (``_IDENTIFIER``, ``_VALUE``) in ``text`` in order of
+    appearance (duplicates kept; of overlapping ones the longest), then introduced names."""
+    found = sorted(
+        (m.span() for pattern in (_IDENTIFIER, _VALUE) for m in pattern.finditer(text)),
+        key=lambda span: (span[0], -span[1]),
+    )
+    spans: list[tuple[int, int]] = []
+    for start, end in found:
+        if not spans or start >= spans[-1][1]:
+            spans.append((start, end))
+    return [text[a:b] for a, b in spans] + _INTRODUCED.findall(text)
 
 
 def fact_set(summary: str) -> set[str]:
@@ -453,6 +471,16 @@ def specific_words(said: str) -> int:
     "bouldering", but not "class", "pizza" or "tired"."""
     words = {word.casefold() for word in _ALPHA.findall(said)}
     return sum(1 for w in words if len(w) > 2 and w not in EMPTY_WORDS and w not in _RARITY)
+
+
+def reads_as_english(said: str) -> bool:
+    """Whether most words of ``said`` are everyday English chat words (``_RARITY``'s, or
+    function words): what the statement patterns and ``rarity`` can read. In another language
+    every word is unknown, so would look rare and tell much; there a sentence is kept for the
+    values it holds (``identifiers``) and found by meaning (recall), not by these."""
+    words = [w.casefold() for w in _ALPHA.findall(said)]
+    known = sum(1 for w in words if w in _RARITY or w in EMPTY_WORDS)
+    return known * 2 >= len(words)
 
 
 def rarity(word: str) -> float:
@@ -487,6 +515,8 @@ def statement(sentence: str) -> Statement | None:
     """``sentence`` as a statement worth keeping, or None (questions, chit-chat, no first
     person, nothing durable). Long sentences should come through :func:`sentences` first."""
     said = " ".join(sentence.translate(_APOSTROPHES).split()[:MAX_WORDS])
+    if not reads_as_english(said):
+        return None  # the patterns and word counts below are English's
     text = _tidy(said)
     low = text.lower()  # the patterns are lower case: matching without IGNORECASE is 2x faster
     words = low.split()

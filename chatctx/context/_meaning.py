@@ -46,9 +46,20 @@ MIN_SIMILARITY: float = ContextSettings.model_fields["recall_min_similarity"].de
 # The priors, in cosine: small beside the spread between a match and chat (0.15 to 0.6).
 QUESTION_DISCOUNT = 0.1
 REPLY_DISCOUNT = 0.05
-_ASKS = re.compile(r"\?\W*$")
+_ASKS = re.compile(r"[?\uff1f\u061f\u037e]\W*$")  # ? in Latin, CJK (full width), Arabic, Greek
+# all-MiniLM-L6-v2's mean cosine of unrelated chat lines: the scale the settings' similarities
+# are in. Another embedder's cosines are mapped onto it (``unrelated``).
+REFERENCE_UNRELATED = 0.094
+# Matched by words too (``words``): up to this much is added to a message's score, in
+# proportion to its word-search score over the best one's. Words hold in any language the
+# store's index splits (word pieces of Korean, Chinese, Japanese; Porter stems), and a
+# question often shares one with its answer ("플랜" / "멀티캣 듀오 플랜") when their sentences
+# are far apart in meaning.
+WORDS_BONUS = 0.1
+WORD_HITS = 10  # word matches looked at per search
 
 Embed = Callable[[Sequence[str]], npt.NDArray[np.float32]]
+Words = Callable[[str, int, int], Sequence[tuple[Message, float]]]
 Vectors = npt.NDArray[np.float32]
 
 
@@ -91,8 +102,15 @@ class MeaningSearch:
         prefetch: Callable[[Sequence[str]], None] | None = None,
         vectors: VectorStore | None = None,
         fingerprint: str | None = None,
+        unrelated: float | None = None,
+        words: Words | None = None,
+        words_bonus: float = WORDS_BONUS,
     ) -> None:
         self._messages = messages
+        self._unrelated = unrelated
+        self._words = words
+        self.words_bonus = words_bonus
+        self._typical = ("", unrelated or 0.0)  # (query, its conversation's median cosine)
         self._embed = embed
         self._prefetch = prefetch
         self._store = vectors if fingerprint else None
@@ -103,6 +121,20 @@ class MeaningSearch:
         self.min_similarity = min_similarity
         self.question_discount = question_discount
         self.reply_discount = reply_discount
+
+    def _scale(self, similarity: Vectors, query: str) -> Vectors:
+        """Cosines on all-MiniLM-L6-v2's scale. An embedder whose cosines crowd near 1 (its
+        ``unrelated`` is given: e5's average 0.8) is mapped linearly so that the typical
+        message of this conversation (the median cosine of the query's candidates, at least
+        ``unrelated``) scores ``REFERENCE_UNRELATED`` and identical text stays 1: a match is
+        as close as it stands out from the conversation it is in, in any language."""
+        if self._unrelated is None:
+            return similarity
+        if len(similarity) >= 3:  # a conversation to measure against; else the last one
+            self._typical = (query, max(self._unrelated, float(np.median(similarity))))
+        typical = self._typical[1] if self._typical[0] == query else self._unrelated
+        slope = (1 - REFERENCE_UNRELATED) / (1 - typical)
+        return (REFERENCE_UNRELATED + (similarity - typical) * slope).astype(np.float32)
 
     def warm(self, texts: Sequence[str]) -> None:
         """Have ``texts`` embedded ahead of a search (in the background, with ``prefetch``),
@@ -186,7 +218,11 @@ class MeaningSearch:
             for part in _parts(message.content):
                 owner.append(i)
                 discount.append(other + (self.question_discount if _ASKS.search(part) else 0.0))
-        similarity = np.concatenate(self._vectors(messages)) @ self._embed([query])[0]
+        vectors = np.concatenate(self._vectors(messages))
+        raw = vectors @ self._embed([query])[0]
+        if self._unrelated is not None:
+            raw = raw - _hubness(vectors)
+        similarity = self._scale(raw, query)
         similarity -= np.asarray(discount, dtype=np.float32)
         best = np.full(len(messages), -2.0, dtype=np.float32)
         np.maximum.at(best, np.asarray(owner), similarity)
@@ -200,6 +236,7 @@ class MeaningSearch:
         if not candidates:
             return []
         similarity = self._scores(candidates, query)
+        self._add_words(similarity, candidates, query, before_position)
         # Best first; ties go to the later message (what was said last is more likely true).
         order = np.lexsort((-np.array([m.position for m in candidates]), -similarity))
         by_position = {m.position: m for m in earlier}
@@ -227,15 +264,56 @@ class MeaningSearch:
                 listed.add(reply.id)
         return out
 
+    def _add_words(
+        self, similarity: Vectors, candidates: Sequence[Message], query: str, before: int
+    ) -> None:
+        """Raise the scores of the messages the word search finds (``words_bonus`` for the
+        best of them, less for the others, by their word scores)."""
+        if self._words is None or self.words_bonus <= 0:
+            return
+        try:
+            found = [(m, score) for m, score in self._words(query, before, WORD_HITS) if score > 0]
+        except StoreError as exc:  # meaning alone still ranks
+            logger.warning("word search failed, ranking by meaning alone: %s", exc)
+            return
+        if not found:
+            return
+        best = max(score for _, score in found)
+        index = {m.id: i for i, m in enumerate(candidates)}
+        for message, score in found:
+            if message.id in index:
+                similarity[index[message.id]] += self.words_bonus * score / best
+
     def snippet(self, text: str, query: str) -> list[tuple[int, str]]:
         """The sentences of ``text`` closest in meaning to ``query``, best first (those at
         least ``min_similarity``): what to send when the whole message does not fit."""
         parts = sentences(text)
         if not parts:
             return []
-        similarity = self._embed([s for _, s in parts]) @ self._embed([query])[0]
+        similarity = self._scale(
+            self._embed([s for _, s in parts]) @ self._embed([query])[0], query
+        )
         ranked = sorted(zip(similarity.tolist(), parts, strict=True), key=lambda x: -x[0])
         return [part for score, part in ranked if score >= self.min_similarity]
+
+
+HUB_NEIGHBOURS = 10
+
+
+def _hubness(vectors: Vectors) -> Vectors:
+    """How much closer than usual each vector is to its conversation: the mean cosine to its
+    ``HUB_NEIGHBOURS`` nearest others, less the median of that over all of them. A short
+    generic line ("thank you, let me check") sits close to everything an embedder whose
+    cosines crowd near 1 compares it with, and would top every search; less this, a match is
+    as close as it is to the query beyond what it is to anything (CSLS, Lample et al. 2018)."""
+    n = len(vectors)
+    if n <= HUB_NEIGHBOURS:
+        return np.zeros(n, dtype=np.float32)
+    similarity = vectors @ vectors.T
+    np.fill_diagonal(similarity, -2.0)
+    nearest = np.partition(similarity, n - HUB_NEIGHBOURS, axis=1)[:, n - HUB_NEIGHBOURS :]
+    closeness: Vectors = nearest.mean(axis=1).astype(np.float32)
+    return closeness - np.float32(np.median(closeness))
 
 
 def _parts(text: str) -> list[str]:

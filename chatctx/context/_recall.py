@@ -21,9 +21,14 @@ from chatctx.store.search import query_terms, stem_prefix
 
 RECALL_HEADER = "Recalled from earlier:\n"
 SNIPPET_GAP = " … "
-_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
-_CLAUSE_END = re.compile(r"[.!?;:]+(?:\s+|$)|\n+")  # ":" ends a label ("User: ...")
+# Sentence ends: Latin ones before a space, the full-width ones of Chinese and Japanese (。！？)
+# with or without one, and the Arabic question mark.
+_SENTENCE = re.compile(r"(?<=[.!?\u061f])\s+|(?<=[\u3002\uff01\uff1f])\s*|\n+")
+# Clause ends, in those scripts too; ":" ends a label ("User: ...").
+_CLAUSE_END = re.compile(r"[.!?;:\u3002\uff01\uff1f\uff1b\uff1a\u061f]+(?:\s+|$)|\n+")
 _WORD = re.compile(r"[^\W_]+")
+# A question mark in any script: Latin, full width (CJK), Arabic, Armenian, Spanish's opening.
+QUESTION_MARKS = frozenset("?\uff1f\u061f\u055e\u00bf")
 
 
 class RecallSearch(Protocol):
@@ -111,16 +116,28 @@ _CLAUSE = re.compile(r"[,;:]+\s*|\s+-+\s+")
 _LONG, _SHORT = 16, 20
 
 
+def marked(text: str) -> bool:
+    """Whether ``text`` has a question mark, in any script."""
+    return not QUESTION_MARKS.isdisjoint(text)
+
+
 def _asking(text: str, words: Sequence[str]) -> bool:
     first = next((w for w in words[:4] if w not in _FILLERS), None)
-    return "?" in text or first in _ASKING
+    return marked(text) or first in _ASKING
 
 
 def is_question(text: str) -> bool:
-    """Whether a message asks something: a question mark, or a question word first (after
-    fillers such as "ok so"), or a cue such as "remind me"."""
+    """Whether a message asks something: a question mark (in any script), or a question word
+    first (after fillers such as "ok so"), or a cue such as "remind me"."""
     words = _WORD.findall(text.casefold())
     return _asking(text, words) or any(w in _CUES for w in words)
+
+
+def reads_english(text: str) -> bool:
+    """Whether the English cue words can read ``text``: it has an English function word.
+    ``asks_back`` reads only such text; other languages are read by their question marks and
+    by meaning (``ContextBuilder._recalls``)."""
+    return not EMPTY_WORDS.isdisjoint(_WORD.findall(text.casefold()))
 
 
 def asks_only(text: str) -> bool:
@@ -248,7 +265,7 @@ def _asks_back_in(
 def asks_back(text: str) -> bool:
     """Whether a message asks about something said earlier: a question about the speaker
     ("when is my niece's birthday?", "where did i park", "my cat, what breed is she?"), one that
-    points back ("what was it called again?", "do you remember what i said?"), or a
+    points back ("what was that place called again?", "do you remember what i said?"), or a
     request without a question ("remind me ...", "i forgot what ...", "you told me ...").
 
     Read clause by clause: a question starts there (after fillers such as "ok so") with a

