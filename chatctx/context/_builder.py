@@ -21,6 +21,7 @@ from chatctx.context._layout import SUMMARY_HEADER, Block, next_blocks, render
 from chatctx.context._recall import (
     RECALL_HEADER,
     RecallSearch,
+    answers,
     asks_back,
     asks_only,
     drop_said,
@@ -637,6 +638,8 @@ class ContextBuilder:
                 plan.recall_answered = hits[0].message.id
                 whole = False
             hits = drop_said(hits, known)
+        # An earlier question states nothing: its reply is what answers (``answers``).
+        hits = answers(hits)
         pick = getattr(self.recall, "snippet", snippet)  # a search may rank sentences itself
         # A question that does not ask back gets the sentences that matched, not whole
         # messages and their replies: it is owed no recall room, only what is that close.

@@ -45,6 +45,18 @@ _IDENTIFIER = re.compile(
 # Latin, its unit ("38,000원", "10시", "3月14日", "5号"; one letter: the rest of the run is
 # the sentence). The longer of overlapping matches counts (``identifiers``).
 _VALUE = re.compile(r"\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|\d+(?![A-Za-z])[^\W\d_]")
+# A name set off by quotation marks, in any script's ("el plan 'Óptimo'", 「らくらくパック」,
+# “居民峰谷分时电价”, «Plan Óptimo», '완전자차 프리미엄'); an ASCII apostrophe only where no
+# Latin letter touches it outside ("don't", "the kids' toys" hold none).
+_QUOTED = re.compile(
+    r"[「『“«]([^「」『』“”«»\n]{2,40})[」』”»]|\"([^\"\n]{2,40})\""
+    r"|(?<![A-Za-z])'([^'\n]{2,40})'(?![A-Za-z])"
+)
+# Capitalized words after a sentence's first ("Ramiro Esquivel", "EpiPen", "Varberg"): names,
+# in languages other than English (English has its own rules below).
+_CAPITALIZED = re.compile(
+    r"(?<=[^\s.!?¿¡]\s)[A-Z][A-Za-zÀ-ÿ]*[a-zà-ÿ](?:\s[A-Z][A-Za-zÀ-ÿ]*[a-zà-ÿ])*"
+)
 # People introducing themselves with a capitalized name: "my name is Maria Lopez", "I'm Jonas".
 _INTRODUCED = re.compile(
     r"\b(?:[Mm]y name is|[Nn]ame's|I am|I'm|[Tt]his is|[Cc]all me)\s+"
@@ -434,18 +446,42 @@ class Statement:
     kinds: tuple[str, ...]
 
 
-def identifiers(text: str) -> list[str]:
-    """Identifiers and values (``_IDENTIFIER``, ``_VALUE``) in ``text`` in order of
-    appearance (duplicates kept; of overlapping ones the longest), then introduced names."""
+def _spans(text: str) -> list[tuple[int, int, bool]]:
+    """(start, end, is an identifier) of the identifiers and values in ``text``, in order; of
+    overlapping ones the longest. A value of five digits or more (a phone number, a date
+    with its year, 38,000원) is an identifier too; a smaller one ("3박", "11시") is a value."""
     found = sorted(
-        (m.span() for pattern in (_IDENTIFIER, _VALUE) for m in pattern.finditer(text)),
+        (
+            (m.start(), m.end(), pattern is _IDENTIFIER)
+            for pattern in (_IDENTIFIER, _VALUE)
+            for m in pattern.finditer(text)
+        ),
         key=lambda span: (span[0], -span[1]),
     )
-    spans: list[tuple[int, int]] = []
-    for start, end in found:
+    spans: list[tuple[int, int, bool]] = []
+    for start, end, named in found:
         if not spans or start >= spans[-1][1]:
-            spans.append((start, end))
-    return [text[a:b] for a, b in spans] + _INTRODUCED.findall(text)
+            digits = sum(c.isdigit() for c in text[start:end])
+            spans.append((start, end, named or digits >= 5))
+    return spans
+
+
+def identifiers(text: str) -> list[str]:
+    """Identifiers in ``text`` in order of appearance (duplicates kept), then introduced
+    names and, in other languages than English, quoted and capitalized ones."""
+    found = [text[a:b] for a, b, named in _spans(text) if named]
+    names: list[str] = []
+    if not reads_as_english(text):  # English chat quotes words in passing ("so 'busy' lol")
+        names += [next(g for g in m.groups() if g) for m in _QUOTED.finditer(text)]
+        names += [m.group() for m in _CAPITALIZED.finditer(text)]
+    return found + _INTRODUCED.findall(text) + names
+
+
+def values(text: str) -> list[str]:
+    """The small values of ``text`` that are not identifiers: a time, a date without its
+    year, a count with its unit ("14:30", "3/14", "3박", "11시"). They make a sentence worth
+    keeping, not a fact on their own."""
+    return [text[a:b] for a, b, named in _spans(text) if not named]
 
 
 def fact_set(summary: str) -> set[str]:

@@ -365,6 +365,18 @@ def drop_said(hits: Sequence[Hit], known: Known) -> list[Hit]:
     return out
 
 
+def answers(hits: Sequence[Hit]) -> list[Hit]:
+    """``hits`` with each message that only asks ("면접은 어디서 봐요?", "where do I park?")
+    replaced by its reply, which holds the answer; one with no reply listed is left out."""
+    out: list[Hit] = []
+    for hit in hits:
+        if not asks_only(hit.message.content):
+            out.append(hit)
+        elif hit.reply is not None:
+            out.append(Hit(hit.reply, None, hit.score))
+    return out
+
+
 def group_hits(found: Sequence[tuple[Message, float]]) -> list[Hit]:
     """Pair each user message with the reply listed right after it."""
     hits: list[Hit] = []

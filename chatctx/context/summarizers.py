@@ -20,6 +20,7 @@ from chatctx.context._facts import (
     sentences,
     statement_score,
     statements,
+    values,
 )
 from chatctx.errors import SummaryError
 from chatctx.store import Message
@@ -44,6 +45,9 @@ _YEAR = re.compile(r"(?:19|20)\d\d")
 # An item worth rewriting (re-evaluating) the summary for: an identifier or a strong statement.
 # Below it, an item is minor (see ``ExtractiveSummarizer``).
 _SALIENT = 3.0
+# What a small value (a time, a count with its unit: ``values``) adds to a sentence's worth:
+# two make it salient.
+VALUE_SCORE = 1.5
 _ITEM_SEP = "; "
 _END_PUNCTUATION = re.compile(r"[^\w]+$")
 
@@ -55,7 +59,7 @@ _Item = tuple[float, int, str, str]
 def _item_score(text: str, label: str) -> float:
     """What a kept item is worth: identifiers first, then what the user says about
     themselves; 0 for anything else (greetings, chit-chat, generic advice)."""
-    score = 3.0 * len(identifiers(text))
+    score = 3.0 * len(identifiers(text)) + VALUE_SCORE * min(2, len(values(text)))
     if label == "User":
         personal = statement_score(text)
         if score or personal:
@@ -65,12 +69,13 @@ def _item_score(text: str, label: str) -> float:
 
 def _message_items(role: str, content: str) -> list[tuple[float, str, str]]:
     """(score, label, text) for each part of a message worth keeping: sentences holding
-    identifiers, and (from the user) first-person statements."""
+    identifiers or values (either speaker's, in any language), and (from the user, in
+    English) first-person statements."""
     label = role.capitalize()
     texts = [
         " ".join(sentence.split()[:_MAX_SENTENCE_WORDS])
         for sentence in sentences(content)
-        if any(not _YEAR.fullmatch(found) for found in identifiers(sentence))
+        if any(not _YEAR.fullmatch(found) for found in identifiers(sentence)) or values(sentence)
     ]
     if role == "user":
         texts += [

@@ -389,3 +389,42 @@ def test_a_korean_question_recalls_what_either_side_said_with_the_multilingual_e
     assert "KT-55812" in recalled("제 고객 번호가 뭐였죠")
     # Talk that asks nothing and is near nothing recalls nothing.
     assert recalled("오늘 점심은 김치찌개를 먹었어요") == ""
+
+
+def test_a_match_by_words_scores_higher_by_its_share_of_the_best_word_score(
+    store: Store, embedder: Embedder
+) -> None:
+    turns = fill(store)
+    cat, fact = turns[CAT][0], turns[FACT][0]
+
+    def words(query: str, before: int, limit: int) -> list[tuple[Message, float]]:
+        return [(cat, 2.0), (fact, 1.0)]  # a word search's scores, higher better
+
+    question = "what do you remember about animals?"
+    alone = dict(meaning(store, embedder)(question, 100, 10))
+    both = dict(
+        MeaningSearch(lambda: store.messages("c"), embedder.embed, words=words)(question, 100, 10)
+    )
+    by_id = {m.id: s for m, s in alone.items()}
+    added = {m.id: s - by_id[m.id] for m, s in both.items() if m.role == "user"}
+    # Hand-computed: 0.1 for the best word match, 0.1 * 1/2 for the other, 0 for the rest.
+    assert added[cat.id] == pytest.approx(0.1, abs=1e-6)
+    assert added[fact.id] == pytest.approx(0.05, abs=1e-6)
+    assert all(abs(v) < 1e-6 for k, v in added.items() if k not in (cat.id, fact.id))
+
+
+def test_hubness_is_how_much_closer_than_usual_a_vector_is_to_the_rest() -> None:
+    from chatctx.context._meaning import HUB_NEIGHBOURS, _hubness
+
+    rng = np.random.default_rng(0)
+    spread = rng.normal(size=(40, 16)).astype(np.float32)
+    generic = spread.mean(axis=0)  # the centre: close to every one of them
+    vectors = np.vstack([spread, generic])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    hub = _hubness(vectors)
+    assert int(np.argmax(hub)) == 40  # the generic line is the hub
+    # The oracle, recomputed by hand for it: mean cosine to its nearest others less the median.
+    cos = vectors @ vectors.T
+    np.fill_diagonal(cos, -2.0)
+    closeness = np.sort(cos, axis=1)[:, -HUB_NEIGHBOURS:].mean(axis=1)
+    assert hub[40] == pytest.approx(closeness[40] - np.median(closeness), abs=1e-5)

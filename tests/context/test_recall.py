@@ -517,3 +517,38 @@ def test_when_the_prompt_says_the_best_match_the_others_send_their_closest_sente
         f"user: {' '.join(other[0].content.split())}",
         "assistant: Annoying!",
     ]
+
+
+def test_questions_and_sentences_are_read_in_any_script() -> None:
+    from chatctx.context._recall import marked, reads_english, sentences
+
+    # Hand-read: a question mark in each script, and none in a statement.
+    for asked in ("환불은 언제 되나요?", "注文番号は何ですか？", "¿Cuál era mi pedido?", "متى؟"):
+        assert marked(asked) and is_question(asked)
+    assert not marked("배송은 금요일입니다.") and not is_question("注文番号はA-4821です。")
+    # The English cue words read English only: another language is left to marks and meaning.
+    assert reads_english("where did i park") and not reads_english("제 주문 번호가 뭐였죠")
+    assert not asks_back("제 주문 번호가 뭐였죠?")  # what the builder's mark rule is for
+    # Chinese and Japanese end sentences with full-width marks and no space after them.
+    assert [s for _, s in sentences("注文番号はA-4821です。配送は金曜日ですか？はい。")] == [
+        "注文番号はA-4821です。",
+        "配送は金曜日ですか？",
+        "はい。",
+    ]
+
+
+def test_an_earlier_question_gives_way_to_its_reply() -> None:
+    from chatctx.context._recall import answers
+
+    def message(i: int, role: str, text: str) -> Message:
+        return Message(id=i, conversation_id="c", position=i, role=role, content=text)
+
+    asked, reply = (
+        message(1, "user", "면접은 어디서 봐요?"),
+        message(2, "assistant", "공학관 115호입니다."),
+    )
+    told = message(3, "user", "제 번호는 A-4821이에요.")
+    lone = message(5, "user", "어디서 봐요?")
+    hits = [Hit(asked, reply, 0.6), Hit(told, None, 0.5), Hit(lone, None, 0.4)]
+    # The question is replaced by its answer; a statement stays; a lone question goes.
+    assert answers(hits) == [Hit(reply, None, 0.6), Hit(told, None, 0.5)]

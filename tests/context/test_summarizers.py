@@ -95,22 +95,26 @@ def test_nothing_new_returns_the_previous_summary_unchanged(llama3_codec: Tiktok
 
 
 def test_identifiers_and_values_are_found_inside_text_without_spaces() -> None:
-    from chatctx.context._facts import identifiers
+    from chatctx.context._facts import identifiers, values
 
     # Hand-read: an identifier between letters of a sentence written without spaces, and
-    # values written alike in any language (a time, a grouped amount, a number and its unit).
+    # values written alike in any language (a time, a grouped amount, a number and its unit);
+    # five digits or more make a value an identifier.
     assert identifiers("我上周抢的票，订单号是DM7720135946一共三张。") == ["DM7720135946"]
-    assert identifiers("제 번호는A-4821이고 환불 금액은 38,000원입니다") == ["A-4821", "38,000원"]
-    assert identifiers("予約は3月14日の14時です") == ["3月", "14日", "14時"]
+    text = "제 번호는A-4821이고 환불 금액은 38,000원, 3박 일정입니다"
+    assert (identifiers(text), values(text)) == (["A-4821", "38,000원"], ["3박"])
+    assert values("予約は3月14日の14時です") == ["3月", "14日", "14時"]
     # The longest of overlapping matches: a phone number, not its groups; a model whose
     # letters run on after the dash.
     assert identifiers("連絡は090-4418-2275、機種はEW-M873Tです") == ["090-4418-2275", "EW-M873T"]
-    assert identifiers("ticket T-7781, $49 at 14:30 on 3/14; 2 cats") == [
-        "T-7781",
-        "$49",
-        "14:30",
-        "3/14",
-    ]
+    text = "ticket T-7781, $49 at 14:30 on 3/14; 2 cats"
+    assert (identifiers(text), values(text)) == (["T-7781", "$49"], ["14:30", "3/14"])
+    # Names set off by quotation marks in any script, and capitalized ones, outside English
+    # (English chat quotes words in passing; its names come from its own rules).
+    quoted = "「らくらくパック」と“居民峰谷分时电价”"
+    assert identifiers(quoted) == ["らくらくパック", "居民峰谷分时电价"]
+    assert identifiers("El técnico es Ramiro Esquivel, llega el martes.") == ["Ramiro Esquivel"]
+    assert identifiers("I don't think the kids' toys fit, said Anna 'busy' Smith.") == []
 
 
 def test_extractive_keeps_what_the_agent_states_in_korean(llama3_codec: TiktokenCodec) -> None:
