@@ -136,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for lang, rs in by_lang.items()
         }
         embedded = (embedder.calls - calls0) if embedder is not None else 0
+        searched = sorted(t.recall_ms for r in reports for t in r.turns if t.recall_ms > 0)
         results.append(
             {
                 "budget": budget,
@@ -146,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "stopped": len(errors),
                 "wall_s": wall,
                 "embedded": embedded,
+                "recall_turns": len(searched),
+                "recall_ms_p50": searched[len(searched) // 2] if searched else None,
+                "recall_ms_p95": searched[int(len(searched) * 0.95)] if searched else None,
                 "embed_ms_per_message": (
                     (getattr(embedder, "seconds", 0.0) - seconds0) / embedded * 1000
                     if embedded
@@ -183,6 +187,11 @@ def _print(result: dict[str, Any], langs: Sequence[str]) -> None:
         f"{result['stopped']}, wall {result['wall_s']:.1f} s, {result['embedded']} texts "
         "embedded" + (f", {per:.1f} ms each" if per is not None else "")
     )
+    if result["recall_turns"]:
+        print(
+            f"turns that searched to recall: {result['recall_turns']}, "
+            f"{result['recall_ms_p50']:.1f} ms p50, {result['recall_ms_p95']:.1f} ms p95"
+        )
 
 
 if __name__ == "__main__":

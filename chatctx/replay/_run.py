@@ -49,6 +49,8 @@ class TurnReport:
     shift_count: int = 0
     summary_ms: float | None = None
     decode_tokens_per_s: float | None = None
+    recalled: int = 0  # messages recalled into this turn's prompt
+    recall_ms: float = 0.0  # the recall search and fit, when the turn searched
 
 
 @dataclass(slots=True)
@@ -287,6 +289,8 @@ def _turn_report(cid: str, index: int, plan: ContextPlan, turn: Turn) -> TurnRep
         shift_count=turn.shift_count or 0,
         summary_ms=turn.summary_ms,
         decode_tokens_per_s=turn.decode_tokens_per_s,
+        recalled=len(plan.recalled_ids),
+        recall_ms=plan.recall_ms,
     )
 
 
