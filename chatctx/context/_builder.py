@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from chatctx.backends.base import Codec, RenderedPrompt
 from chatctx.context._abridge import CUT_ROOM, Cut, Cutter, abridge
+from chatctx.context._facts import reads_as_english
 from chatctx.context._layout import SUMMARY_HEADER, Block, next_blocks, render
 from chatctx.context._recall import (
     RECALL_HEADER,
@@ -30,7 +31,6 @@ from chatctx.context._recall import (
     is_question,
     known_text,
     marked,
-    reads_english,
     render_section,
     repeats,
     says_nothing,
@@ -563,7 +563,7 @@ class ContextBuilder:
             return "full"
         # Text the English cue words cannot read (another language) asks back by its
         # question mark, in whatever script; unmarked, it recalls what is near in meaning.
-        english = reads_english(message)
+        english = reads_as_english(message)
         if not english and marked(message):
             return "full"
         near = (

