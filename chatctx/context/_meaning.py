@@ -33,6 +33,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from chatctx.context._facts import has_values, replaced
 from chatctx.context._recall import QUESTION_MARKS, sentences
 from chatctx.errors import StoreError
 from chatctx.settings import ContextSettings
@@ -118,6 +119,8 @@ class MeaningSearch:
         # message id -> (text digest, its parts' vectors): read from the store or embedded.
         self._known: dict[int, tuple[str, Vectors]] = {}
         self._caught_up = False  # every stored message was handed to ``warm`` once
+        # The values the last search found given anew, by the text that gives them.
+        self._anew: dict[str, set[str]] = {}
         self.min_similarity = min_similarity
         self.question_discount = question_discount
         self.reply_discount = reply_discount
@@ -262,6 +265,7 @@ class MeaningSearch:
             ):
                 out.append((reply, score))
                 listed.add(reply.id)
+        out, self._anew = _with_later_values(out, candidates)
         return out
 
     def _add_words(
@@ -286,7 +290,9 @@ class MeaningSearch:
 
     def snippet(self, text: str, query: str) -> list[tuple[int, str]]:
         """The sentences of ``text`` closest in meaning to ``query``, best first (those at
-        least ``min_similarity``): what to send when the whole message does not fit."""
+        least ``min_similarity``): what to send when the whole message does not fit. A
+        sentence that gives anew a value the last search found (``_with_later_values``)
+        comes first."""
         parts = sentences(text)
         if not parts:
             return []
@@ -294,7 +300,60 @@ class MeaningSearch:
             self._embed([s for _, s in parts]) @ self._embed([query])[0], query
         )
         ranked = sorted(zip(similarity.tolist(), parts, strict=True), key=lambda x: -x[0])
-        return [part for score, part in ranked if score >= self.min_similarity]
+        # A sentence giving anew a value the last search found comes first, however close.
+        anew = self._anew.get(text, set())
+        first = [part for part in parts if any(value in part[1] for value in anew)]
+        return first + [
+            part for score, part in ranked if score >= self.min_similarity and part not in first
+        ]
+
+
+LATER_VALUES = 2  # messages that give a found message's values anew, listed after it
+
+
+def _with_later_values(
+    found: list[tuple[Message, float]], candidates: Sequence[Message]
+) -> tuple[list[tuple[Message, float]], dict[str, set[str]]]:
+    """``found`` with, right after each message holding a small value, the later messages
+    that give that value anew (``replaced``: "매달 7일" then "매달 22일"), with its score
+    (moved up when listed lower): whatever recalls the old value recalls the new one after
+    it, so the latest wins. Also the new values, by the text of the message giving them."""
+    anew: dict[str, set[str]] = {}
+    valued = [m for m in candidates if has_values(m.content)]
+    if not valued:
+        return found, anew
+    moved: set[int] = set()  # listed after the message whose value they give anew
+    out: list[tuple[Message, float]] = []
+    pending: list[tuple[Message, float]] = []  # to list once the found message's reply is
+    for message, score in found:
+        if message.id in moved:
+            continue
+        is_reply = (
+            bool(out)
+            and message.role == "assistant"
+            and (out[-1][0].role == "user" and message.position == out[-1][0].position + 1)
+        )
+        if not is_reply:
+            out += pending
+            pending = []
+        out.append((message, score))
+        if not has_values(message.content):
+            continue
+        later = [
+            (m, pairs)
+            for m in valued
+            if m.position > message.position
+            and m.id not in moved
+            and (pairs := replaced(message.content, m.content))
+        ]
+        for newer, pairs in later[:LATER_VALUES]:
+            if any(m.id == newer.id for m, _ in out):
+                continue  # listed already, higher
+            pending.append((newer, score))
+            moved.add(newer.id)
+            anew.setdefault(newer.content, set()).update(new for _, new in pairs)
+    out += pending
+    return out, anew
 
 
 HUB_NEIGHBOURS = 10

@@ -428,3 +428,28 @@ def test_hubness_is_how_much_closer_than_usual_a_vector_is_to_the_rest() -> None
     np.fill_diagonal(cos, -2.0)
     closeness = np.sort(cos, axis=1)[:, -HUB_NEIGHBOURS:].mean(axis=1)
     assert hub[40] == pytest.approx(closeness[40] - np.median(closeness), abs=1e-5)
+
+
+def test_a_found_value_brings_the_later_message_that_gives_it_anew(
+    store: Store, embedder: Embedder
+) -> None:
+    chat = [
+        ("user", "체육관 정기 수업은 매주 화요일 7시에 있어요."),
+        ("assistant", "네, 확인했습니다."),
+        ("user", "주차장은 어디에 있나요?"),
+        ("assistant", "건물 뒤편에 있습니다. 오늘은 비가 오네요."),
+        ("user", "그런데 정기 수업이 이제 매주 화요일 8시로 바뀌었다고 들었어요. 맞나요?"),
+        ("assistant", "네 맞습니다."),
+    ]
+    added = store.add_messages("c", [{"role": r, "content": c} for r, c in chat])
+    old, new = added[0], added[4]
+    search = meaning(store, embedder, min_similarity=-1.0)
+    # Asked in the old message's own words, it is the best match (cosine 1), listed with its
+    # reply. The oracle is the chat as written: the message giving the old time anew (and
+    # only it) comes right after that exchange, at its score, though it ranks lower itself;
+    # its sentence with the new time is what a snippet of it sends first.
+    found = search(chat[0][1], 100, 1)
+    assert [m.id for m, _ in found] == [old.id, added[1].id, new.id]
+    assert found[2][1] == found[0][1]
+    first = search.snippet(new.content, "수업 시간 다시 알려 주세요")[0][1]
+    assert "8시" in first and "맞나요" not in first

@@ -127,3 +127,57 @@ def test_extractive_keeps_what_the_agent_states_in_korean(llama3_codec: Tiktoken
     summary = ExtractiveSummarizer(llama3_codec.count, max_tokens=120)(None, chat)
     assert "TK-58210" in summary and "오후 2시" in summary  # the agent's ticket and time
     assert "좋은 하루" not in summary
+
+
+def test_a_value_said_anew_is_found_by_its_shape_and_the_words_next_to_it() -> None:
+    from chatctx.context._facts import identifiers, replaced
+
+    # Hand-read pairs: the same kind of value (digits aside, written alike) after a word the
+    # two sentences share in the value's clause, in four languages.
+    assert replaced("정기 점검은 매주 3일에 해요", "이제 정기 점검은 매주 9일로 바뀌었어요") == [
+        ("3일", "9일")
+    ]
+    assert replaced("受付は午前10時からです。", "明日の受付は午前11時に変わります。") == [
+        ("10時", "11時")
+    ]
+    # Two values of one shape: the new one replaces the one named by the same word.
+    assert replaced("工厂早上8点开门，仓库下午6点关门", "通知：仓库改为下午7点关门") == [
+        ("6点", "7点")
+    ]
+    assert replaced("La clase es a las 18:30 en la sala", "Ojo: la clase pasa a las 19:15") == [
+        ("18:30", "19:15")
+    ]
+    # Not a change: the same value again, another kind of value, a shared word only after
+    # the value (particles and verbs follow any value: "10시까지" and "11시까지"), or an
+    # identifier (a second e-mail address may be another one, not a new one).
+    assert replaced("Pickup at 8:30 at the gym", "Yes, pickup at 8:30 at the gym") == []
+    assert replaced("Pickup at 8:30 at the gym", "The fee is $30 for the gym") == []
+    assert replaced("셔틀은 밤 10시까지 운행해요", "반납은 오전 11시까지 해 주세요") == []
+    assert replaced("Write to ana.ruiz@example.org please", "Write to ar77@example.net") == []
+    # An address ends where Latin letters end: the Korean particle after it is not in it.
+    assert identifiers("새 주소는 mina.k@example.com으로 해 주세요") == ["mina.k@example.com"]
+
+
+def test_the_summary_keeps_a_changed_value_and_marks_the_old_one(
+    llama3_codec: TiktokenCodec,
+) -> None:
+    filler = [
+        ("user", "네 알겠습니다. 그런데 혹시 주말에도 상담 가능한가요?"),
+        ("assistant", "네, 주말에는 오전에만 채팅 상담이 가능합니다. 편하실 때 문의 주세요."),
+    ] * 3
+    chat = msgs(
+        ("user", "정기 배송은 매달 5일에 받고 있어요. 회원번호는 MB-20417이에요."),
+        ("assistant", "확인했습니다. 다음 배송도 매달 5일에 출발합니다."),
+        *filler,
+        ("user", "아 그리고 정기 배송은 이제 매달 25일로 바꿔 주세요."),
+        ("assistant", "네, 변경해 두었습니다."),
+    )
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=90)
+    summary = None
+    for message in chat:  # one message at a time, as the builder evicts them
+        summary = summarize(summary, [message])
+    assert summary is not None
+    # The new value is kept (the summary is full of the older items) and marked as the old
+    # one's replacement; an older mention, where still there, comes before it.
+    assert "25일" in summary and "(5일 \u2192 25일)" in summary
+    assert summary.rfind("5일에") < summary.find("25일")
