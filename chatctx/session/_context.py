@@ -157,6 +157,7 @@ class ConversationContext:
                 vectors=store,
                 fingerprint=embedder.fingerprint,
                 unrelated=getattr(embedder, "unrelated", None),
+                multilingual=getattr(embedder, "multilingual", False),
                 words=lambda query, before, limit: store.search_messages(
                     cid, query, before_position=before, limit=limit
                 ),
