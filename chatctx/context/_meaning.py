@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from chatctx.context._facts import has_values, reads_as_english, replaced
+from chatctx.context._facts import has_values, replaced
 from chatctx.context._recall import QUESTION_MARKS, sentences
 from chatctx.errors import StoreError
 from chatctx.settings import ContextSettings
@@ -57,11 +57,6 @@ REFERENCE_UNRELATED = 0.094
 # question often shares one with its answer ("플랜" / "멀티캣 듀오 플랜") when their sentences
 # are far apart in meaning.
 WORDS_BONUS = 0.1
-# For text that does not read as English, with an embedder that knows only English
-# (all-MiniLM-L6-v2: ``multilingual`` False): its cosines there are mostly noise, and the word
-# index ranks. Measured on bench/facts/multilingual_dev.jsonl.gz (0.3 kept less; 0.6 and 1.0
-# the same).
-OTHER_WORDS_BONUS = 0.6
 WORD_HITS = 10  # word matches looked at per search
 
 Embed = Callable[[Sequence[str]], npt.NDArray[np.float32]]
@@ -92,9 +87,7 @@ class MeaningSearch:
     gives unit-length vectors for texts (cached by the embedder, so each text is embedded
     once). Results are (message, cosine) best first; a matched user message is followed by
     the assistant reply right after it, with the same score, as ``Store.search_messages(...,
-    replies=True)`` lists them. ``words`` is a word search whose matches score higher
-    (``words_bonus``); ``multilingual`` says the embedder's vectors mean something beyond
-    English (else the words weigh more for text that does not read as English).
+    replies=True)`` lists them.
     """
 
     by_meaning = True  # scores are cosine similarities (ContextSettings.recall_near_similarity)
@@ -113,13 +106,11 @@ class MeaningSearch:
         unrelated: float | None = None,
         words: Words | None = None,
         words_bonus: float = WORDS_BONUS,
-        multilingual: bool = False,
     ) -> None:
         self._messages = messages
         self._unrelated = unrelated
         self._words = words
         self.words_bonus = words_bonus
-        self.multilingual = multilingual
         self._typical = ("", unrelated or 0.0)  # (query, its conversation's median cosine)
         self._embed = embed
         self._prefetch = prefetch
@@ -281,12 +272,8 @@ class MeaningSearch:
         self, similarity: Vectors, candidates: Sequence[Message], query: str, before: int
     ) -> None:
         """Raise the scores of the messages the word search finds (``words_bonus`` for the
-        best of them, less for the others, by their word scores; ``OTHER_WORDS_BONUS`` for
-        a query that does not read as English when the embedder is not ``multilingual``)."""
-        bonus = self.words_bonus
-        if not self.multilingual and bonus > 0 and not reads_as_english(query):
-            bonus = max(bonus, OTHER_WORDS_BONUS)
-        if self._words is None or bonus <= 0:
+        best of them, less for the others, by their word scores)."""
+        if self._words is None or self.words_bonus <= 0:
             return
         try:
             found = [(m, score) for m, score in self._words(query, before, WORD_HITS) if score > 0]
@@ -299,7 +286,7 @@ class MeaningSearch:
         index = {m.id: i for i, m in enumerate(candidates)}
         for message, score in found:
             if message.id in index:
-                similarity[index[message.id]] += bonus * score / best
+                similarity[index[message.id]] += self.words_bonus * score / best
 
     def snippet(self, text: str, query: str) -> list[tuple[int, str]]:
         """The sentences of ``text`` closest in meaning to ``query``, best first (those at

@@ -157,7 +157,6 @@ class ConversationContext:
                 vectors=store,
                 fingerprint=embedder.fingerprint,
                 unrelated=getattr(embedder, "unrelated", None),
-                multilingual=getattr(embedder, "multilingual", False),
                 words=lambda query, before, limit: store.search_messages(
                     cid, query, before_position=before, limit=limit
                 ),

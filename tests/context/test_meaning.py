@@ -453,39 +453,3 @@ def test_a_found_value_brings_the_later_message_that_gives_it_anew(
     assert found[2][1] == found[0][1]
     first = search.snippet(new.content, "수업 시간 다시 알려 주세요")[0][1]
     assert "8시" in first and "맞나요" not in first
-
-
-def test_words_weigh_more_where_an_english_embedder_cannot_read_the_question(
-    store: Store, embedder: Embedder
-) -> None:
-    turns = fill(store)
-    cat, fact = turns[CAT][0], turns[FACT][0]
-
-    def words(query: str, before: int, limit: int) -> list[tuple[Message, float]]:
-        return [(cat, 2.0), (fact, 1.0)]  # a word search's scores, higher better
-
-    def added(question: str, multilingual: bool) -> dict[int, float]:
-        alone = {
-            m.id: s for m, s in meaning(store, embedder, min_similarity=-1.0)(question, 100, 100)
-        }
-        both = MeaningSearch(
-            lambda: store.messages("c"),
-            embedder.embed,
-            words=words,
-            multilingual=multilingual,
-            min_similarity=-1.0,
-        )(question, 100, 100)
-        return {m.id: s - alone[m.id] for m, s in both if m.role == "user"}
-
-    # Hand-computed: a Korean question with an English-only embedder (all-MiniLM-L6-v2):
-    # 0.6 for the best word match and 0.6 * 1/2 for the other; with a multilingual one, or
-    # for an English question, the usual 0.1 and 0.05.
-    korean = added("동물에 대해 뭘 기억하세요?", multilingual=False)
-    assert korean[cat.id] == pytest.approx(0.6, abs=1e-6)
-    assert korean[fact.id] == pytest.approx(0.3, abs=1e-6)
-    assert added("동물에 대해 뭘 기억하세요?", multilingual=True)[cat.id] == pytest.approx(
-        0.1, abs=1e-6
-    )
-    assert added("what do you remember about animals?", multilingual=False)[
-        cat.id
-    ] == pytest.approx(0.1, abs=1e-6)

@@ -124,8 +124,6 @@ class Embedder:
         self._model = _E5(path, threads) if is_multilingual(path) else _Llama(path, threads)
         # Its cosine of unrelated messages, where it is not all-MiniLM-L6-v2's scale (None).
         self.unrelated = self._model.unrelated
-        # Whether its vectors mean something in languages other than English.
-        self.multilingual = isinstance(self._model, _E5)
         self.dim = self._model.dim
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, Vectors] = OrderedDict()
