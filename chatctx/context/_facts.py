@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from importlib.resources import files
 
+from chatctx.model.words import words as word_list
 from chatctx.store.search import STOPWORDS, query_terms, unspaced
 
 FACTS_PREFIX = "Facts: "
@@ -394,25 +395,10 @@ MINOR_CAP = 1.9  # below THRESHOLD: a minor fact never outranks a recognized one
 MIN_INFORMATION = 0.5
 RARE_FROM = 0.45  # rarity above which a word tells something ("summer" 0.31, "therapy" 0.65)
 MINOR_WORDS = 2
-# Words that say nothing about the speaker, beyond the search's stopwords: fillers, vague
+# Words that say nothing about the speaker, beyond the search's stopwords (English:
+# ``chatctx/data/words/en.toml``): fillers, vague
 # verbs and adjectives of chat, words typed without their apostrophe.
-_VAGUE = frozenset(
-    """
-    across ago agree almost already although always among another anybody anyone anyways
-    around away awesome aww back bad basically became become btw came come comes coming crazy
-    day days definitely done dude dunno either enough every everybody everyone feel feeling
-    felt fine fun funny gets getting glad goes going gone gotta gotten guy guys hahaha happy
-    hed hehe hell hes honestly hope however huh idk ill instead interesting ive kinda knew least
-    less lets likely literally lmao look looked looking looks lots made make makes making man
-    many may mine nah near neither never next nobody none often omg onto oops others otherwise
-    people per perhaps person pretty probably quite rather sad says see seem seems seen
-    seriously shes since somebody someone sometimes somewhat soon sorry sorta sound sounds super
-    take takes taking tbh thats theres theyre tho thought thus till time times today together
-    tonight took totally toward towards tried true try trying ugh upon wanted week weird went
-    weve whatever whenever wherever whether whoever whole whose wish within without wow yea
-    year years youd youll youre youve yup
-    """.split()  # noqa: SIM905
-)
+_VAGUE = word_list("facts", "vague")
 # Words that say nothing: function words, fillers, vague chat words.
 EMPTY_WORDS = STOPWORDS | _VAGUE
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from chatctx.context._facts import EMPTY_WORDS
+from chatctx.model.words import words as word_list
 from chatctx.store import Message
 from chatctx.store.search import query_terms, stem_prefix
 
@@ -54,61 +55,43 @@ class Hit:
     score: float
 
 
+# The English words these rules read (``chatctx/data/words/en.toml``, one list each).
 # Words that make any message a question to ``is_question`` ("remind me later", "you told
 # me"); "again" and "last" are not among them: "weird again today" asks nothing.
-_CUES = frozenset(
-    "remind remember recall earlier said told mentioned forgot forget".split()  # noqa: SIM905
-)
+_CUES = word_list("recall", "cues")
 # The speaker, typed the way people type it ("i'm" is "i" and "m"; "im", "ive" without the
 # apostrophe). A question about the speaker is what an evicted message answers.
-_SELF = frozenset("i me my mine myself im ive we us our ours".split())  # noqa: SIM905
-
-
+_SELF = word_list("recall", "self")
 # A question without its question mark ("where did I park") starts with one of these, the
 # way people type them too ("whats", "wheres"), after a filler or two ("ok so where did I").
-_ASKING = frozenset(
-    """
-    what where when who whom whose which how why did do does is are was were can could would
-    will have has whats wheres whens whos hows whys wat wut
-    """.split()  # noqa: SIM905
-)
-_FILLERS = frozenset(
-    """
-    ok okay k so and but also oh hey hi yo wait um umm uh hmm hm lol haha btw quick question
-    random real actually anyway anyways well yeah ya sorry
-    """.split()  # noqa: SIM905
-)
-
+_ASKING = word_list("recall", "asking")
+_FILLERS = word_list("recall", "fillers")
 # Words a sentence says nothing with, for ``said``: function words, vague chat words, the
 # fillers a summary cuts ("oh and ... lol").
-_SAYS_NOTHING = (
-    EMPTY_WORDS | _FILLERS | frozenset("plus fyi ps xd im ur ah eh ha jk ty hehe".split())  # noqa: SIM905
-)
+_SAYS_NOTHING = EMPTY_WORDS | _FILLERS | word_list("recall", "says_nothing")
 
 # What ``asks_back`` reads a clause by.
-_YOU = frozenset("you u ya youre ur yall".split())  # noqa: SIM905
-_AUXILIARY = frozenset("did do does is are was were have has had am".split())  # noqa: SIM905
-_MODAL = frozenset("can could would will should shall might may must".split())  # noqa: SIM905
+_YOU = word_list("recall", "you")
+_AUXILIARY = word_list("recall", "auxiliary")
+_MODAL = word_list("recall", "modal")
 _QUESTION_WORD = _ASKING - _AUXILIARY - _MODAL
 # After a question word, these make a question ("where DID i park", "what'S my pin");
 # a subject first makes a clause ("when I was little", "which I find odd").
 _INVERTED = _AUXILIARY | _MODAL | {"s", "re", "d", "ll"}
-_JOINED = frozenset("whats wheres whens whos hows whys".split())  # noqa: SIM905
-_FORGETTING = frozenset("forgot forget forgetting forgotten blanking blanked".split())  # noqa: SIM905
-_NOT = frozenset("dont cant cannot not never couldnt t".split())  # "can't": "can", "t"  # noqa: SIM905
-_RECALLING = frozenset({"remember", "recall"})
-_TOLD = frozenset("said told mentioned recommended suggested".split())  # noqa: SIM905
+_JOINED = word_list("recall", "joined")
+_FORGETTING = word_list("recall", "forgetting")
+_NOT = word_list("recall", "negation")  # "can't": "can", "t"
+_RECALLING = word_list("recall", "recalling")
+_TOLD = word_list("recall", "told")
 # In a question, words that point back at something said ("which one did you recommended?",
 # "do you remember where i parked?"); "again" and "earlier" too, unless to the listener.
 _POINTING = _RECALLING | _TOLD
-_AGAIN = frozenset({"again", "earlier"})
-_ABOUT_YOU = frozenset("do does are is were was have has".split())  # noqa: SIM905
-_PRONOUNS = frozenset("i we you u he she it they there that this".split())  # noqa: SIM905
+_AGAIN = word_list("recall", "again")
+_ABOUT_YOU = word_list("recall", "about_you")
+_PRONOUNS = word_list("recall", "pronouns")
 # What an unmarked question opened by an auxiliary has next: its subject ("did i", "is my").
-_SUBJECTS = _PRONOUNS | frozenset(
-    "im my our your his her their the this these those someone anyone everyone".split()  # noqa: SIM905
-)
-_JOINING = frozenset("but and so or".split())  # noqa: SIM905
+_SUBJECTS = _PRONOUNS | word_list("recall", "subjects")
+_JOINING = word_list("recall", "joining")
 _CLAUSE = re.compile(r"[,;:]+\s*|\s+-+\s+")
 # Words: a longer clause is talk with a question in it ("yeah i know right? ..."), and a
 # sentence up to _SHORT words is one question even across a comma ("if the train is late,

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Float, Row, column, func, or_, select, text
 from sqlalchemy.sql.selectable import TextualSelect
 
+from chatctx.model.words import words as word_list
 from chatctx.store._models import MessageRow
 
 FTS_TABLE = "messages_fts"
@@ -37,24 +38,8 @@ MAX_TERMS = 32
 FALLBACK_ROWS = 5000  # the portable search scores at most this many recent candidates
 
 _WORD = re.compile(r"[^\W_]+")
-# A small English list: function words and chat filler carry no topic.
-STOPWORDS = frozenset(
-    """
-    a about above after again against all also am an and any are aren as at be because been
-    before being below between both but by can cannot could couldn did didn do does doesn doing
-    don down during each else even ever few for from further get got had hadn has hasn have
-    haven having he her here hers herself him himself his how i if in into is isn it its itself
-    just know let like ll m me might more most much must mustn my myself no nor not now of off
-    oh ok okay on once one only or other ought our ours ourselves out over own please re really
-    s same say said shall shan she should shouldn so some still such sure t than thank thanks
-    that the their theirs them themselves then there these they this those though through to too
-    under until up us ve very was wasn way we well were weren what when where which while who
-    whom why will with won would wouldn yeah yes yet you your yours yourself yourselves anyway
-    hi hello hey bye tell remember think want remind mentioned told thing things stuff something
-    anything everything nothing lot kind sort bit maybe actually guess mean right good great
-    nice cool lol haha gonna wanna yep nope hmm um uh
-    """.split()  # noqa: SIM905
-)
+# Function words and chat filler carry no topic (English: ``chatctx/data/words/en.toml``).
+STOPWORDS = word_list("search", "stopwords")
 
 
 # Scripts written without spaces between words (Han, kana, Thai, Lao, Khmer, Myanmar) or
