@@ -20,8 +20,9 @@ replaced value and not the new one (the bot would answer the old value with conf
 over the updates; **amplification**, tokens evaluated / new tokens. The last lines give the
 replay's wall time and the embedder's time per message embedded.
 
-``bench/facts/multilingual_dev.jsonl.gz`` is the set to tune on; ``multilingual_eval`` is
-frozen: report on it, never tune on it.
+``bench/facts/multilingual_dev.jsonl.gz`` and ``multilingual_dev2.jsonl.gz`` (written later,
+to check what the first suggests) are the sets to tune on; ``multilingual_eval`` is frozen:
+report on it, never tune on it.
 """
 
 from __future__ import annotations
