@@ -40,7 +40,7 @@ FACTS_PREFIX = "Facts: "
 _IDENTIFIER = re.compile(
     r"(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
     r"|#\d[A-Za-z0-9_-]*|\d{4,})(?![A-Za-z0-9_])"
-    r"|[$€£]\s?\d[\d,.]*|(?<![\w.+-])[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
+    r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
 )
 # Values written the same way in any language: times, dates, phone numbers and grouped amounts
 # (14:30, 3/14, 090-4418-2275, 38,000), and a number joined to a letter of a script other than
@@ -62,6 +62,7 @@ _CAPITALIZED = re.compile(
 _DIGITS = re.compile(r"\d+")
 # What ``replaced`` reads next to a value: terms on each side, characters where no spaces.
 NEAR_TERMS, NEAR_CHARS = 2, 8
+NEAR_SPAN = 80  # characters read on each side at most: the cost stays linear in a long text
 _CLAUSE_MARK = re.compile(r"[,;:.!?\u3001\u3002\uff0c\uff1b\uff1a\uff01\uff1f\u061f\u060c]")
 # People introducing themselves with a capitalized name: "my name is Maria Lopez", "I'm Jonas".
 _INTRODUCED = re.compile(
@@ -453,7 +454,7 @@ def _spans(text: str) -> list[tuple[int, int, bool]]:
     for start, end, named in found:
         if not spans or start >= spans[-1][1]:
             digits = sum(c.isdigit() for c in text[start:end])
-            if digits == end - start - 1 and digits >= 5:
+            if not named and digits >= 5 and text[start : end - 1].isdigit():
                 end -= 1  # a long number's next letter is the sentence ("15908632217了")
             spans.append((start, end, named or digits >= 5))
     return spans
@@ -479,68 +480,75 @@ def values(text: str) -> list[str]:
 
 def value_shape(value: str) -> str:
     """What values of one kind share: the value with each run of digits as one ``0``
-    ("7일" and "22일": "0일"; "8:30" and "7:45": "0:0"; "£38": "£0"); e-mail addresses
-    all alike."""
-    return "@" if "@" in value else _DIGITS.sub("0", value.casefold())
+    ("7일" and "22일": "0일"; "8:30" and "7:45": "0:0"; "3月" and "11月": "0月")."""
+    return _DIGITS.sub("0", value.casefold())
 
 
-def _near(text: str, start: int, end: int) -> tuple[set[str], set[str]]:
-    """The search terms right before and right after ``text[start:end]`` in its clause: the
-    ``NEAR_TERMS`` nearest on each side, within ``NEAR_CHARS`` characters where the script
-    has no spaces between words."""
-    left = _CLAUSE_MARK.split(text[:start])[-1]
-    right = _CLAUSE_MARK.split(text[end:])[0]
+def _near(text: str, start: int, end: int) -> tuple[list[str], list[str]]:
+    """The search terms right before and right after ``text[start:end]`` in its clause,
+    nearest first: up to ``NEAR_TERMS`` on each side, within ``NEAR_CHARS`` characters where
+    the script has no spaces between words; numbers left out (a neighbouring value's)."""
+    left = _CLAUSE_MARK.split(text[max(0, start - NEAR_SPAN) : start])[-1]
+    right = _CLAUSE_MARK.split(text[end : end + NEAR_SPAN])[0]
     if unspaced(left):
         left = left[-NEAR_CHARS:]
     if unspaced(right):
         right = right[:NEAR_CHARS]
-    return set(query_terms(left)[-NEAR_TERMS:]), set(query_terms(right)[:NEAR_TERMS])
+    before = [t for t in query_terms(left) if not t.isdigit()][::-1][:NEAR_TERMS]
+    after = [t for t in query_terms(right) if not t.isdigit()][:NEAR_TERMS]
+    return before, after
 
 
 @functools.lru_cache(maxsize=4096)
-def _valued(text: str) -> tuple[tuple[str, str, tuple[frozenset[str], frozenset[str]]], ...]:
-    """(value, shape, terms right before and after it) of each small value in ``text``
-    (cached: recall asks again of each message at every turn)."""
+def _valued(text: str) -> tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]:
+    """(value, shape, terms right before it and after it, nearest first) of each small value
+    in ``text`` (cached: recall asks again of the same messages at every turn)."""
     out = []
     for a, b, named in _spans(text):
         if not named:
             before, after = _near(text, a, b)
-            out.append((text[a:b], value_shape(text[a:b]), (frozenset(before), frozenset(after))))
+            out.append((text[a:b], value_shape(text[a:b]), tuple(before), tuple(after)))
     return tuple(out)
 
 
-def has_values(text: str) -> bool:
-    """Whether ``text`` holds a small value another message could give anew (``replaced``)."""
-    return bool(_valued(text))
+def value_keys(text: str) -> set[tuple[str, str]]:
+    """(shape, nearest word before it) of each small value in ``text``: another message
+    gives one of them anew (``replaced``) only if it holds a value with the same key."""
+    return {(shape, before[0]) for _, shape, before, _ in _valued(text) if before}
 
 
 def replaced(earlier: str, later: str) -> list[tuple[str, str]]:
     """(old, new) for each small value (``values``) of ``earlier`` that ``later`` gives
-    anew: a different value of the same shape (``value_shape``) said after the same word,
-    or before two ("매달 7일" then "매달 22일"; "402호에서 진행" then "115호에서 진행");
-    each new value replaces the old one it shares most such words with.
-    Found from how values are written and the words next to them, in any language; a value
-    said again as it was replaces nothing. Identifiers are left out: a second order number
-    or e-mail address is as often another one as a new one."""
+    anew: a different value of the same shape (``value_shape``) whose nearest word before
+    it is the same ("매달 7일" then "매달 22일"; "下午5点" then "下午4点"); each new value
+    replaces the old one it shares most nearby words with. Found from how values are
+    written and the words next to them, in any language; a value said again as it was
+    replaces nothing. Identifiers are left out: a second order number or e-mail address is
+    as often another one as a new one. It is a guess: two values of one kind named by the
+    same word ("a las 9:00", "a las 18:00" for opening and closing) read as a change too, so
+    callers use it to keep and order text, never to tell the model a value is void."""
     old = _valued(earlier)
     if not old:
         return []
     new = _valued(later)
-    kept = {value for value, _, _ in new}
+    kept = {value for value, _, _, _ in new}
     pairs: list[tuple[str, str]] = []
     taken: set[str] = set()
-    for other, shape, (before, after) in new:
-        # What names a value mostly comes before it ("매달 7일", "下午5点", "尾号6621"); after
-        # it come particles and verbs that any value takes ("7点开始", "10시까지"), so two.
+    for other, shape, before, after in new:
+        if not before:
+            continue
         shared, best = max(
             (
-                (2 * len(before & old_before) + len(after & old_after), value)
-                for value, old_shape, (old_before, old_after) in old
-                if old_shape == shape and value not in kept and value not in taken
+                (len(set(before) & set(old_before)) + len(set(after) & set(old_after)), value)
+                for value, old_shape, old_before, old_after in old
+                if old_shape == shape
+                and old_before[:1] == before[:1]
+                and value not in kept
+                and value not in taken
             ),
             default=(0, ""),
         )
-        if shared >= 2:
+        if shared:
             taken.add(best)
             pairs.append((best, other))
     return pairs

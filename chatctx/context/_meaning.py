@@ -24,6 +24,7 @@ process, or another one, does not embed the history again.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import re
@@ -33,7 +34,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from chatctx.context._facts import has_values, replaced
+from chatctx.context._facts import replaced, value_keys
 from chatctx.context._recall import QUESTION_MARKS, sentences
 from chatctx.errors import StoreError
 from chatctx.settings import ContextSettings
@@ -121,6 +122,8 @@ class MeaningSearch:
         self._caught_up = False  # every stored message was handed to ``warm`` once
         # The values the last search found given anew, by the text that gives them.
         self._anew: dict[str, set[str]] = {}
+        # message id -> (its text, the keys of its small values): ``_value_keys``.
+        self._keys: dict[int, tuple[str, frozenset[tuple[str, str]]]] = {}
         self.min_similarity = min_similarity
         self.question_discount = question_discount
         self.reply_discount = reply_discount
@@ -265,8 +268,16 @@ class MeaningSearch:
             ):
                 out.append((reply, score))
                 listed.add(reply.id)
-        out, self._anew = _with_later_values(out, candidates)
+        out, self._anew = _with_later_values(out, candidates, self._value_keys)
         return out
+
+    def _value_keys(self, message: Message) -> frozenset[tuple[str, str]]:
+        """The keys of ``message``'s small values (``value_keys``), cached by message."""
+        cached = self._keys.get(message.id)
+        if cached is None or cached[0] is not message.content:
+            cached = (message.content, frozenset(value_keys(message.content)))
+            self._keys[message.id] = cached
+        return cached[1]
 
     def _add_words(
         self, similarity: Vectors, candidates: Sequence[Message], query: str, before: int
@@ -302,7 +313,7 @@ class MeaningSearch:
         ranked = sorted(zip(similarity.tolist(), parts, strict=True), key=lambda x: -x[0])
         # A sentence giving anew a value the last search found comes first, however close.
         anew = self._anew.get(text, set())
-        first = [part for part in parts if any(value in part[1] for value in anew)]
+        first = [part for part in parts if any(_holds(part[1], value) for value in anew)]
         return first + [
             part for score, part in ranked if score >= self.min_similarity and part not in first
         ]
@@ -312,48 +323,86 @@ LATER_VALUES = 2  # messages that give a found message's values anew, listed aft
 
 
 def _with_later_values(
-    found: list[tuple[Message, float]], candidates: Sequence[Message]
+    found: list[tuple[Message, float]],
+    candidates: Sequence[Message],
+    keys: Callable[[Message], frozenset[tuple[str, str]]],
 ) -> tuple[list[tuple[Message, float]], dict[str, set[str]]]:
-    """``found`` with, right after each message holding a small value, the later messages
-    that give that value anew (``replaced``: "매달 7일" then "매달 22일"), with its score
-    (moved up when listed lower): whatever recalls the old value recalls the new one after
-    it, so the latest wins. Also the new values, by the text of the message giving them."""
+    """``found`` with, right after each message holding a small value (after its reply),
+    the latest later messages that give that value anew (``replaced``: "매달 7일" then
+    "매달 22일"), at its score, moved up when listed lower (with their replies): whatever
+    recalls the old value recalls the new one after it, so the latest wins. Also the new
+    values, by the text of the message giving them. ``keys`` gives a message's value keys
+    (``value_keys``, cached by the caller); only messages sharing one are compared, latest
+    first, so a search costs about the same in a long chat full of values."""
     anew: dict[str, set[str]] = {}
-    valued = [m for m in candidates if has_values(m.content)]
-    if not valued:
+    by_key: dict[tuple[str, str], list[Message]] = {}  # in position order
+    for m in candidates:
+        for key in keys(m):
+            by_key.setdefault(key, []).append(m)
+    if not found or not by_key:
         return found, anew
+    by_position = {m.position: m for m in candidates}
+    listed = {m.id for m, _ in found}
     moved: set[int] = set()  # listed after the message whose value they give anew
     out: list[tuple[Message, float]] = []
     pending: list[tuple[Message, float]] = []  # to list once the found message's reply is
     for message, score in found:
         if message.id in moved:
             continue
+        last = out[-1][0] if out else None
         is_reply = (
-            bool(out)
+            last is not None
             and message.role == "assistant"
-            and (out[-1][0].role == "user" and message.position == out[-1][0].position + 1)
+            and last.role == "user"
+            and message.position == last.position + 1
         )
         if not is_reply:
             out += pending
             pending = []
         out.append((message, score))
-        if not has_values(message.content):
-            continue
-        later = [
-            (m, pairs)
-            for m in valued
-            if m.position > message.position
-            and m.id not in moved
-            and (pairs := replaced(message.content, m.content))
-        ]
-        for newer, pairs in later[:LATER_VALUES]:
-            if any(m.id == newer.id for m, _ in out):
+        for newer, pairs in _latest_changes(message, by_key, keys, moved):
+            if any(m.id == newer.id for m, _ in out + pending):
                 continue  # listed already, higher
-            pending.append((newer, score))
             moved.add(newer.id)
+            pending.append((newer, score))
             anew.setdefault(newer.content, set()).update(new for _, new in pairs)
+            reply = by_position.get(newer.position + 1)
+            if newer.role == "user" and reply is not None and reply.id in listed:
+                moved.add(reply.id)  # its reply, listed lower, comes with it
+                pending.append((reply, score))
     out += pending
     return out, anew
+
+
+def _latest_changes(
+    message: Message,
+    by_key: Mapping[tuple[str, str], Sequence[Message]],
+    keys: Callable[[Message], frozenset[tuple[str, str]]],
+    moved: set[int],
+) -> list[tuple[Message, list[tuple[str, str]]]]:
+    """The last ``LATER_VALUES`` messages after ``message`` that give one of its values
+    anew, with the (old, new) pairs, in order."""
+    later: dict[int, Message] = {}
+    for key in keys(message):
+        bucket = by_key.get(key, ())
+        start = bisect.bisect_right([m.position for m in bucket], message.position)
+        for m in bucket[start:][-(LATER_VALUES + 2) :]:  # a few spare: some may not count
+            if m.id not in moved:
+                later[m.id] = m
+    changes: list[tuple[Message, list[tuple[str, str]]]] = []
+    for m in sorted(later.values(), key=lambda m: -m.position):
+        pairs = replaced(message.content, m.content)
+        if pairs:
+            changes.append((m, pairs))
+            if len(changes) == LATER_VALUES:
+                break
+    return changes[::-1]
+
+
+def _holds(text: str, value: str) -> bool:
+    """Whether ``text`` says ``value`` as a value: not inside a longer number ("8시" is not
+    in "18시")."""
+    return re.search(r"(?<!\d)" + re.escape(value), text) is not None
 
 
 HUB_NEIGHBOURS = 10

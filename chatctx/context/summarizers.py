@@ -50,8 +50,8 @@ _SALIENT = 3.0
 # two make it salient.
 VALUE_SCORE = 1.5
 CHANGE_SCORE = VALUE_SCORE  # what a value said anew adds to its sentence (``_changed_score``)
+CHANGE_WINDOW = 32  # earlier items a new one is compared with (``_changes``): linear cost
 _ITEM_SEP = "; "
-REPLACED = "\u2192"  # "7일 → 22일": a value the summary held, and the one said since
 _END_PUNCTUATION = re.compile(r"[^\w]+$")
 
 # (score, order, label, text): one kept statement; consecutive items of one speaker share a
@@ -71,19 +71,13 @@ def _item_score(text: str, label: str) -> float:
 
 
 def _changes(earlier: Sequence[str], text: str) -> list[tuple[str, str]]:
-    """(old, new) for the values ``text`` gives anew that one of the ``earlier`` items said
-    (``replaced``): the latest first among several."""
+    """(old, new) for the values ``text`` gives anew (``replaced``) that one of the last
+    ``CHANGE_WINDOW`` of the ``earlier`` items said: the latest first among several."""
     found: dict[str, tuple[str, str]] = {}
-    for before in reversed(earlier):
+    for before in reversed(earlier[-CHANGE_WINDOW:]):
         for pair in replaced(before, text):
             found.setdefault(pair[1], pair)
     return list(found.values())
-
-
-def _marked(text: str, changes: Sequence[tuple[str, str]]) -> str:
-    """``text`` with the values it replaces marked, "(7일 → 22일)": the old one still in
-    the summary reads as replaced."""
-    return f"{text} ({', '.join(f'{old} {REPLACED} {new}' for old, new in changes)})"
 
 
 def _message_items(role: str, content: str) -> list[tuple[float, str, str]]:
@@ -115,27 +109,20 @@ def _message_items(role: str, content: str) -> list[tuple[float, str, str]]:
 
 
 def _changed_score(score: float, changes: Sequence[tuple[str, str]]) -> float:
-    """What an item that gives values anew is worth: each change as much as an identifier
-    (the conversation changed it: likely asked back), and never less than salient."""
+    """What an item that gives values anew is worth: ``CHANGE_SCORE`` more per value (the
+    conversation changed it: likely asked back), and never less than salient."""
     return max(score + CHANGE_SCORE * len(changes), _SALIENT)
 
 
 def _latest_first(items: Sequence[_Item]) -> list[_Item]:
-    """``items`` (in order) rescored for compaction: one that gives a value anew stays
-    salient, and the value it replaced no longer counts for the older item."""
-    out = list(items)
+    """``items`` (in order) rescored for compaction: one that gives a value anew
+    (``_changes``) is worth as much as when it was added."""
     texts = [item[3] for item in items]
-    for index in range(1, len(out)):
-        changes = _changes(texts[:index], texts[index])
-        if not changes:
-            continue
-        score, order, label, text = out[index]
-        out[index] = (_changed_score(score, changes), order, label, text)
-        for before in range(index):
-            b_score, b_order, b_label, b_text = out[before]
-            lost = VALUE_SCORE * sum(old in values(b_text) for old, _ in changes)
-            if lost:
-                out[before] = (max(0.0, b_score - lost), b_order, b_label, b_text)
+    out = list(items)
+    for index, (score, order, label, text) in enumerate(items):
+        changes = _changes(texts[:index], text) if index else []
+        if changes:
+            out[index] = (_changed_score(score, changes), order, label, text)
     return out
 
 
@@ -220,13 +207,15 @@ class ExtractiveSummarizer:
                 if key not in seen and not repeats:
                     seen.add(key)
                     covered |= ids
-                    # A value said anew is worth as much as an identifier, past the minor
-                    # share: the prompt carries the latest, the older one reads as replaced.
+                    # A value said anew goes in past the minor share: the prompt carries the
+                    # latest, after the older one. Not marked as replacing it ("7일 → 22일"):
+                    # ``replaced`` is a guess, and a false mark would tell the model a value
+                    # still true (an opening time, another price) is void.
                     changes = _changes(earlier, text)
                     if score >= _SALIENT:
                         forcing = True
                     if changes:
-                        score, text = _changed_score(score, changes), _marked(text, changes)
+                        score = _changed_score(score, changes)
                     earlier.append(text)
                     candidates.append((score, len(candidates), label, text))
         new_facts = [f for f in facts if f not in known]

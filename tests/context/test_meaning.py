@@ -453,3 +453,25 @@ def test_a_found_value_brings_the_later_message_that_gives_it_anew(
     assert found[2][1] == found[0][1]
     first = search.snippet(new.content, "수업 시간 다시 알려 주세요")[0][1]
     assert "8시" in first and "맞나요" not in first
+
+
+def test_the_latest_changes_come_after_the_old_value_each_with_its_reply() -> None:
+    from chatctx.context._facts import value_keys
+    from chatctx.context._meaning import _with_later_values
+
+    said = ["수업은 매주 화요일 7시예요", "수업이 매주 화요일 8시로 바뀌었어요"]
+    said += ["다시 매주 화요일 9시로 바뀌었대요", "최종적으로 매주 화요일 10시래요"]
+    chat: list[Message] = []
+    for text in said:
+        for role, content in (("user", text), ("assistant", "네 알겠습니다")):
+            n = len(chat)
+            chat.append(
+                Message(id=n + 1, conversation_id="c", position=n, role=role, content=content)
+            )
+    # Found: the first message and its reply, and the third change (10시) lower with its reply.
+    found = [(chat[0], 0.9), (chat[1], 0.9), (chat[6], 0.4), (chat[7], 0.4)]
+    out, anew = _with_later_values(found, chat, lambda m: frozenset(value_keys(m.content)))
+    # Hand-read: the last two changes (9시, 10시; LATER_VALUES = 2) follow the old value's
+    # exchange at its score, the one listed lower moved up with its reply; nothing is lost.
+    assert [(m.position, s) for m, s in out] == [(0, 0.9), (1, 0.9), (4, 0.9), (6, 0.9), (7, 0.9)]
+    assert anew == {said[2]: {"9시"}, said[3]: {"10시"}}
