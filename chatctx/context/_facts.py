@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.resources import files
 
@@ -40,7 +41,7 @@ FACTS_PREFIX = "Facts: "
 _IDENTIFIER = re.compile(
     r"(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
     r"|#\d[A-Za-z0-9_-]*|\d{4,})(?![A-Za-z0-9_])"
-    r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
+    r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![A-Za-z0-9À-ÿ._%+-])[A-Za-z0-9À-ÿ._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
 )
 # Values written the same way in any language: times, dates, phone numbers and grouped amounts
 # (14:30, 3/14, 090-4418-2275, 38,000), and a number joined to a letter of a script other than
@@ -494,9 +495,21 @@ def _near(text: str, start: int, end: int) -> tuple[list[str], list[str]]:
         left = left[-NEAR_CHARS:]
     if unspaced(right):
         right = right[:NEAR_CHARS]
-    before = [t for t in query_terms(left) if not t.isdigit()][::-1][:NEAR_TERMS]
-    after = [t for t in query_terms(right) if not t.isdigit()][:NEAR_TERMS]
-    return before, after
+    return _terms(reversed(left.split()), backwards=True), _terms(right.split())
+
+
+def _terms(words: Iterable[str], *, backwards: bool = False) -> list[str]:
+    """The first ``NEAR_TERMS`` search terms of ``words`` in their order (each word's terms
+    last first where ``backwards``), numbers left out."""
+    out: list[str] = []
+    for word in words:
+        terms = query_terms(word)
+        for term in reversed(terms) if backwards else terms:
+            if not term.isdigit() and term not in out:
+                out.append(term)
+        if len(out) >= NEAR_TERMS:
+            break
+    return out[:NEAR_TERMS]
 
 
 @functools.lru_cache(maxsize=4096)

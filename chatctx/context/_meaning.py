@@ -274,7 +274,7 @@ class MeaningSearch:
     def _value_keys(self, message: Message) -> frozenset[tuple[str, str]]:
         """The keys of ``message``'s small values (``value_keys``), cached by message."""
         cached = self._keys.get(message.id)
-        if cached is None or cached[0] is not message.content:
+        if cached is None or cached[0] != message.content:
             cached = (message.content, frozenset(value_keys(message.content)))
             self._keys[message.id] = cached
         return cached[1]
@@ -344,6 +344,7 @@ def _with_later_values(
     by_position = {m.position: m for m in candidates}
     listed = {m.id for m, _ in found}
     moved: set[int] = set()  # listed after the message whose value they give anew
+    placed: set[int] = set()  # in ``out`` or ``pending``
     out: list[tuple[Message, float]] = []
     pending: list[tuple[Message, float]] = []  # to list once the found message's reply is
     for message, score in found:
@@ -360,18 +361,34 @@ def _with_later_values(
             out += pending
             pending = []
         out.append((message, score))
+        placed.add(message.id)
         for newer, pairs in _latest_changes(message, by_key, keys, moved):
-            if any(m.id == newer.id for m, _ in out + pending):
+            if newer.id in placed:
                 continue  # listed already, higher
-            moved.add(newer.id)
-            pending.append((newer, score))
             anew.setdefault(newer.content, set()).update(new for _, new in pairs)
-            reply = by_position.get(newer.position + 1)
-            if newer.role == "user" and reply is not None and reply.id in listed:
-                moved.add(reply.id)  # its reply, listed lower, comes with it
-                pending.append((reply, score))
+            for m in _exchange(newer, by_position, listed):
+                if m.id not in placed:
+                    moved.add(m.id)
+                    placed.add(m.id)
+                    pending.append((m, score))
     out += pending
     return out, anew
+
+
+def _exchange(
+    message: Message, by_position: Mapping[int, Message], listed: set[int]
+) -> list[Message]:
+    """``message`` with the other half of its exchange where that is listed too: a user
+    message and the reply right after it, a reply and the question right before it."""
+    if message.role == "user":
+        reply = by_position.get(message.position + 1)
+        if reply is not None and reply.role == "assistant" and reply.id in listed:
+            return [message, reply]
+    elif message.role == "assistant":
+        question = by_position.get(message.position - 1)
+        if question is not None and question.role == "user" and question.id in listed:
+            return [question, message]
+    return [message]
 
 
 def _latest_changes(
@@ -402,7 +419,8 @@ def _latest_changes(
 def _holds(text: str, value: str) -> bool:
     """Whether ``text`` says ``value`` as a value: not inside a longer number ("8시" is not
     in "18시")."""
-    return re.search(r"(?<!\d)" + re.escape(value), text) is not None
+    end = r"(?!\d)" if value[-1:].isdigit() else ""
+    return re.search(r"(?<!\d)" + re.escape(value) + end, text) is not None
 
 
 HUB_NEIGHBOURS = 10

@@ -115,8 +115,9 @@ def _changed_score(score: float, changes: Sequence[tuple[str, str]]) -> float:
 
 
 def _latest_first(items: Sequence[_Item]) -> list[_Item]:
-    """``items`` (in order) rescored for compaction: one that gives a value anew
-    (``_changes``) is worth as much as when it was added."""
+    """The summary's ``items`` (in order, scored afresh from their text) rescored for
+    compaction: one that gives a value anew (``_changes``) is worth as much again as when it
+    was added."""
     texts = [item[3] for item in items]
     out = list(items)
     for index, (score, order, label, text) in enumerate(items):
@@ -265,9 +266,10 @@ class ExtractiveSummarizer:
             (_item_score(text, label), order, label, text)
             for order, (label, text) in enumerate(old_items)
         ]
+        items = _latest_first(items)  # the new candidates carry their change scores already
         base = len(items)
         items += [(score, base + order, label, text) for score, order, label, text in candidates]
-        return self._fit(facts, _latest_first(items), target)
+        return self._fit(facts, items, target)
 
     def _fit(self, facts: list[str], items: list[_Item], limit: int) -> str:
         """Drop the items of least value per token (oldest first among equals), then the

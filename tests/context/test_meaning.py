@@ -475,3 +475,51 @@ def test_the_latest_changes_come_after_the_old_value_each_with_its_reply() -> No
     # exchange at its score, the one listed lower moved up with its reply; nothing is lost.
     assert [(m.position, s) for m, s in out] == [(0, 0.9), (1, 0.9), (4, 0.9), (6, 0.9), (7, 0.9)]
     assert anew == {said[2]: {"9시"}, said[3]: {"10시"}}
+
+
+def test_moving_a_change_up_never_lists_a_message_twice_nor_splits_an_exchange() -> None:
+    from chatctx.context._facts import value_keys
+    from chatctx.context._meaning import _with_later_values
+    from chatctx.context._recall import group_hits
+
+    def chat(*said: tuple[str, str]) -> list[Message]:
+        return [
+            Message(id=n + 1, conversation_id="c", position=n, role=role, content=text)
+            for n, (role, text) in enumerate(said)
+        ]
+
+    def keys(m: Message) -> frozenset[tuple[str, str]]:
+        return frozenset(value_keys(m.content))
+
+    def pairs(found: list[tuple[Message, float]], messages: list[Message]) -> list:
+        out, _ = _with_later_values(found, messages, keys)
+        ids = [m.id for m, _ in out]
+        assert len(ids) == len(set(ids)) and set(ids) == {m.id for m, _ in found}
+        return [(h.message.position, h.reply and h.reply.position) for h in group_hits(out)]
+
+    old = ("user", "수업은 매주 화요일 7시예요")
+    new = ("user", "수업이 매주 화요일 8시로 바뀌었어요")
+    # Hand-read: the change's reply matched on its own, higher: listed once, where it was.
+    m = chat(
+        old,
+        ("assistant", "네"),
+        ("user", "날씨"),
+        ("assistant", "좋네요"),
+        new,
+        ("assistant", "네 8시로 기록했어요"),
+    )
+    found = [(m[5], 0.9), (m[0], 0.8), (m[1], 0.8), (m[4], 0.3)]
+    assert pairs(found, m) == [(5, None), (0, 1), (4, None)]
+    # The change said by the agent comes up with the question before it.
+    m = chat(
+        old,
+        ("assistant", "네"),
+        ("user", "시간 바뀌었나요?"),
+        ("assistant", "네, 수업이 매주 화요일 8시로 바뀌었어요"),
+    )
+    found = [(m[0], 0.9), (m[1], 0.9), (m[2], 0.3), (m[3], 0.3)]
+    assert pairs(found, m) == [(0, 1), (2, 3)]
+    # A user message after the change is not taken for its reply.
+    m = chat(old, ("assistant", "네"), new, ("user", "그리고 질문 있어요"), ("assistant", "답"))
+    found = [(m[0], 0.9), (m[1], 0.9), (m[3], 0.5), (m[4], 0.5), (m[2], 0.3)]
+    assert pairs(found, m) == [(0, 1), (2, None), (3, 4)]
