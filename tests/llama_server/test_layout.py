@@ -129,7 +129,10 @@ def test_an_eviction_costs_only_what_is_new_in_the_append_layout(
             recalling += bool(turn["plan"].recalled_ids)
         assert evicting >= 3 and recalling >= 1, (evicting, recalling)
     # The same chat with the summary in front re-evaluates the kept turns at every eviction.
-    assert totals["summary-first"] > 1.2 * totals["append"], totals
+    # By how much depends on the replies, and greedy replies differ between CPU families
+    # (1.2x and more where this was written; 823 against 799 tokens on an AVX2 EPYC on
+    # 2026-12-07, e37d567 alike): the per-turn check above is the exact oracle.
+    assert totals["summary-first"] > totals["append"], totals
 
 
 def test_replay_cli_on_a_llama_server(
