@@ -402,7 +402,7 @@ def _latest_changes(
     later: dict[int, Message] = {}
     for key in keys(message):
         bucket = by_key.get(key, ())
-        start = bisect.bisect_right([m.position for m in bucket], message.position)
+        start = bisect.bisect_right(bucket, message.position, key=lambda m: m.position)
         for m in bucket[start:][-(LATER_VALUES + 2) :]:  # a few spare: some may not count
             if m.id not in moved:
                 later[m.id] = m
