@@ -39,6 +39,7 @@ from chatctx.context._recall import QUESTION_MARKS, sentences
 from chatctx.errors import StoreError
 from chatctx.settings import ContextSettings
 from chatctx.store import Message
+from chatctx.store.search import query_terms
 
 logger = logging.getLogger("chatctx.context")
 
@@ -300,16 +301,27 @@ class MeaningSearch:
                 similarity[index[message.id]] += self.words_bonus * score / best
 
     def snippet(self, text: str, query: str) -> list[tuple[int, str]]:
-        """The sentences of ``text`` closest in meaning to ``query``, best first (those at
-        least ``min_similarity``): what to send when the whole message does not fit. A
-        sentence that gives anew a value the last search found (``_with_later_values``)
-        comes first."""
+        """The sentences of ``text`` closest to ``query``, best first (those at least
+        ``min_similarity``): what to send when the whole message does not fit. Scored as a
+        message is: the cosine, less ``question_discount`` for a sentence that asks (it
+        states nothing), plus up to ``words_bonus`` for the query's words it shares (word
+        pieces in unspaced scripts: "택배사" and "롯데택배로" share "택배" where an English
+        embedder's cosines are noise). A sentence that gives anew a value the last search
+        found (``_with_later_values``) comes first."""
         parts = sentences(text)
         if not parts:
             return []
         similarity = self._scale(
             self._embed([s for _, s in parts]) @ self._embed([query])[0], query
         )
+        similarity -= np.asarray(
+            [self.question_discount if _ASKS.search(s) else 0.0 for _, s in parts],
+            dtype=np.float32,
+        )
+        terms = set(query_terms(query))
+        shared = np.asarray([len(terms.intersection(query_terms(s))) for _, s in parts])
+        if self.words_bonus > 0 and shared.max(initial=0) > 0:
+            similarity += (self.words_bonus * shared / shared.max()).astype(np.float32)
         ranked = sorted(zip(similarity.tolist(), parts, strict=True), key=lambda x: -x[0])
         # A sentence giving anew a value the last search found comes first, however close.
         anew = self._anew.get(text, set())

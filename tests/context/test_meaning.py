@@ -523,3 +523,25 @@ def test_moving_a_change_up_never_lists_a_message_twice_nor_splits_an_exchange()
     m = chat(old, ("assistant", "네"), new, ("user", "그리고 질문 있어요"), ("assistant", "답"))
     found = [(m[0], 0.9), (m[1], 0.9), (m[3], 0.5), (m[4], 0.5), (m[2], 0.3)]
     assert pairs(found, m) == [(0, 1), (2, None), (3, 4)]
+
+
+def test_a_snippet_ranks_by_shared_words_and_puts_a_question_last_when_meaning_is_flat() -> None:
+    # An embedder that tells the sentences nothing apart (all-MiniLM on Korean comes close):
+    # every cosine is 1, so the ranking is the priors' and the words'.
+    def flat(texts: list[str]) -> np.ndarray:
+        return np.full((len(texts), 4), 0.5, dtype=np.float32)
+
+    search = MeaningSearch(lambda: [], flat, min_similarity=-1.0)
+    text = (
+        "배송 기간은 동일하고, 출고되면 문자로 안내드립니다. "
+        "혹시 다른 문의 있으신가요? "
+        "다음 달부터 롯데택배로 배송사가 변경될 예정이에요."
+    )
+    ranked = [s for _, s in search.snippet(text, "다음 달부터 어느 택배사에서 오는지 알려주세요")]
+    # Hand-counted: the last sentence shares 다음, 달부, 부터, 택배 with the question, the
+    # others none; the one that asks states nothing and goes last.
+    assert ranked == [
+        "다음 달부터 롯데택배로 배송사가 변경될 예정이에요.",
+        "배송 기간은 동일하고, 출고되면 문자로 안내드립니다.",
+        "혹시 다른 문의 있으신가요?",
+    ]

@@ -184,3 +184,33 @@ def test_the_summary_keeps_a_changed_value_after_the_old_one(
     # The new value is kept, though the summary is full of older items, after the old one.
     assert "5일에" in summary and "25일" in summary
     assert summary.rfind("5일에") < summary.find("25일")
+
+
+def test_a_full_summary_is_rewritten_for_a_new_value_of_one_it_holds(
+    llama3_codec: TiktokenCodec,
+) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=80)
+    previous = None
+    for message in msgs(
+        ("user", "정기 배송은 매달 5일에 받고 있어요."),
+        (
+            "assistant",
+            "회원번호 MB-20417로 조회됩니다. 주문번호는 OR-55102이고 상품은 AX3000입니다.",
+        ),
+        (
+            "assistant",
+            "상담 접수번호는 CS-24-0871이고 담당자는 KM-1027입니다. 계좌는 T-7781로 등록했어요.",
+        ),
+    ):
+        previous = summarize(previous, [message])
+    assert previous is not None and "5일" in previous
+    assert llama3_codec.count(previous) > 80 - 10  # full: no new sentence fits after it
+    change = msgs(("user", "아 그리고 정기 배송은 이제 매달 25일로 바꿔 주세요."))
+    other = msgs(("user", "주말 배송은 오후 3시쯤 받으면 좋겠어요."))
+    # A value said anew for one the summary holds: without it the summary would hold the
+    # old day alone, so it is rewritten, and the new day kept (all identifiers with it).
+    renewed = summarize(previous, change)
+    assert "25일" in renewed and llama3_codec.count(renewed) <= 80
+    assert all(i in renewed for i in ("MB-20417", "OR-55102", "CS-24-0871", "T-7781"))
+    # A value the summary holds nothing of is no reason to rewrite it (its cached tokens stay).
+    assert summarize(previous, other) == previous
