@@ -301,34 +301,39 @@ class MeaningSearch:
                 similarity[index[message.id]] += self.words_bonus * score / best
 
     def snippet(self, text: str, query: str) -> list[tuple[int, str]]:
-        """The sentences of ``text`` closest to ``query``, best first (those at least
-        ``min_similarity``): what to send when the whole message does not fit. Scored as a
-        message is: the cosine, less ``question_discount`` for a sentence that asks (it
+        """The sentences of ``text`` at least ``min_similarity`` close to ``query`` in
+        meaning, best first: what to send when the whole message does not fit. Ranked as
+        messages are: the cosine, less ``question_discount`` for a sentence that asks (it
         states nothing), plus up to ``words_bonus`` for the query's words it shares (word
         pieces in unspaced scripts: "택배사" and "롯데택배로" share "택배" where an English
-        embedder's cosines are noise). A sentence that gives anew a value the last search
-        found (``_with_later_values``) comes first."""
+        embedder's cosines are noise); shared words reorder the close sentences, never make
+        one close (a common word, "someone", would send a sentence alone in place of its
+        whole message). A sentence that gives anew a value the last search found
+        (``_with_later_values``) comes first."""
         parts = sentences(text)
         if not parts:
             return []
         similarity = self._scale(
             self._embed([s for _, s in parts]) @ self._embed([query])[0], query
         )
-        similarity -= np.asarray(
+        score = similarity - np.asarray(
             [self.question_discount if _ASKS.search(s) else 0.0 for _, s in parts],
             dtype=np.float32,
         )
         terms = set(query_terms(query))
         shared = np.asarray([len(terms.intersection(query_terms(s))) for _, s in parts])
         if self.words_bonus > 0 and shared.max(initial=0) > 0:
-            similarity += (self.words_bonus * shared / shared.max()).astype(np.float32)
-        ranked = sorted(zip(similarity.tolist(), parts, strict=True), key=lambda x: -x[0])
+            score += (self.words_bonus * shared / shared.max()).astype(np.float32)
+        close = [
+            (float(rank), part)
+            for rank, near, part in zip(score, similarity, parts, strict=True)
+            if near >= self.min_similarity
+        ]
+        ranked = [part for _, part in sorted(close, key=lambda x: -x[0])]
         # A sentence giving anew a value the last search found comes first, however close.
         anew = self._anew.get(text, set())
         first = [part for part in parts if any(_holds(part[1], value) for value in anew)]
-        return first + [
-            part for score, part in ranked if score >= self.min_similarity and part not in first
-        ]
+        return first + [part for part in ranked if part not in first]
 
 
 LATER_VALUES = 2  # messages that give a found message's values anew, listed after it
