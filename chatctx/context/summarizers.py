@@ -195,6 +195,7 @@ class ExtractiveSummarizer:
         covered = set(known)  # identifiers in the summary or in a line already taken
         earlier = [text for _, text in parse_summary(previous)[1]]
         summarized = len(earlier)  # the previous summary's items: ``earlier[:summarized]``
+        held = {value for text in earlier for value in values(text)}  # the summary's values
         seen = {line_key(text) for text in earlier}
         facts: dict[str, None] = {}  # ordered set: first seen first
         candidates: list[_Item] = []
@@ -218,8 +219,11 @@ class ExtractiveSummarizer:
                     # still true (an opening time, another price) is void.
                     changes = _changes(earlier, text)
                     # A new value for one the summary already holds is worth a rewrite, and
-                    # the most in it: left out, the summary holds the old value alone.
-                    renews = bool(changes) and bool(_changes(earlier[:summarized], text))
+                    # the most in it: left out, the summary holds the old value alone (not
+                    # when it holds the new one too: said again, it is no news).
+                    renews = bool(changes) and any(
+                        new not in held for _, new in _changes(earlier[:summarized], text)
+                    )
                     if score >= _SALIENT or renews:
                         forcing = True
                     if changes:

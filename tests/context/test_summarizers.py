@@ -214,3 +214,27 @@ def test_a_full_summary_is_rewritten_for_a_new_value_of_one_it_holds(
     assert all(i in renewed for i in ("MB-20417", "OR-55102", "CS-24-0871", "T-7781"))
     # A value the summary holds nothing of is no reason to rewrite it (its cached tokens stay).
     assert summarize(previous, other) == previous
+
+
+def test_a_new_value_the_summary_holds_already_forces_no_rewrite(
+    llama3_codec: TiktokenCodec,
+) -> None:
+    previous = (
+        "User: 정기 배송은 매달 5일에 받고 있어요\n"
+        "Facts: MB-20417; OR-55102\n"
+        "Assistant: 회원번호 MB-20417로 조회됩니다; 주문번호는 OR-55102입니다\n"
+        "User: 아 그리고 정기 배송은 이제 매달 25일로 바꿔 주세요"
+    )
+    summarize = ExtractiveSummarizer(
+        llama3_codec.count, max_tokens=llama3_codec.count(previous) + 3
+    )
+    # The agent confirming the new day: against the old item it reads as a change, but the
+    # summary holds 25일 already, so there is nothing to rewrite for (its tokens stay cached).
+    confirm = msgs(("assistant", "네, 정기 배송은 매달 25일로 변경되었습니다."))
+    assert summarize(previous, confirm) == previous
+    # The same summary without the new day is rewritten for it.
+    old_only = previous.rsplit("\n", 1)[0]
+    renewed = ExtractiveSummarizer(llama3_codec.count, max_tokens=llama3_codec.count(old_only) + 3)(
+        old_only, confirm
+    )
+    assert "25일" in renewed
