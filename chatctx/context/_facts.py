@@ -16,8 +16,10 @@ Three kinds:
   something; the rarer, the more it is worth. A recognized statement with nothing specific
   in it, no number, date or name ("i really like tacos") scores lower, and may become minor.
 
-The patterns are general English, not tuned to a data set; every function is pure and
-deterministic. Facts are compared as parsed sets (:func:`fact_set`), never by substring.
+Statements and minor facts are read in English only, from the word lists and patterns of
+``chatctx/data/words/en.toml`` (general English, not tuned to a data set): a boost for text
+that reads as English. Identifiers and values are read in any script. Every function is pure
+and deterministic. Facts are compared as parsed sets (:func:`fact_set`), never by substring.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.resources import files
 
+from chatctx.model.words import patterns
 from chatctx.model.words import words as word_list
 from chatctx.store.search import STOPWORDS, query_terms, unspaced
 
@@ -56,7 +59,7 @@ _QUOTED = re.compile(
     r"|(?<![A-Za-z])'([^'\n]{2,40})'(?![A-Za-z])"
 )
 # Capitalized words after a sentence's first ("Ramiro Esquivel", "EpiPen", "Varberg"): names,
-# in languages other than English (English has its own rules below).
+# in languages other than English (English has its own patterns).
 _CAPITALIZED = re.compile(
     r"(?<=[^\s.!?¿¡]\s)[A-Z][A-Za-zÀ-ÿ]*[a-zà-ÿ](?:\s[A-Z][A-Za-zÀ-ÿ]*[a-zà-ÿ])*"
 )
@@ -65,320 +68,76 @@ _DIGITS = re.compile(r"\d+")
 NEAR_TERMS, NEAR_CHARS = 2, 8
 NEAR_SPAN = 80  # characters read on each side at most: the cost stays linear in a long text
 _CLAUSE_MARK = re.compile(r"[,;:.!?\u3001\u3002\uff0c\uff1b\uff1a\uff01\uff1f\u061f\u060c]")
+# English's statement patterns come from its data file (``chatctx/data/words/en.toml``): a
+# boost for text that reads as English (``reads_as_english``). Text in other languages is kept
+# for its values, identifiers and quoted or capitalized names, and recalled by meaning.
+_EN = patterns("facts.patterns")
+_I = re.IGNORECASE
 # People introducing themselves with a capitalized name: "my name is Maria Lopez", "I'm Jonas".
-_INTRODUCED = re.compile(
-    r"\b(?:[Mm]y name is|[Nn]ame's|I am|I'm|[Tt]his is|[Cc]all me)\s+"
-    r"([A-Z][a-z]+(?:\s[A-Z][a-z]+)?)\b"
-)
-# Sentence ends, not abbreviations ("St. Mary's", "Dr. Lee", "Apt. 4").
+_INTRODUCED = re.compile(_EN["introduced"])
+# Sentence ends, not abbreviations ("St. Mary's", "Dr. Lee", "Apt. 4"); Chinese and Japanese
+# end a sentence without a space.
 _SENTENCE = re.compile(
-    r"(?<=[.!?])(?<!\b[Ss]t\.)(?<!\b[Mm]r\.)(?<!\b[Dd]r\.)(?<!\b[Mm]s\.)(?<!\b[Mm]rs\.)"
-    r"(?<!\b[Jj]r\.)(?<!\b[Aa]pt\.)(?<!\b[Aa]ve\.)(?<!\b[Nn]o\.)(?<!\b[Vv]s\.)\s+"
-    r"|(?<=[\u3002\uff01\uff1f])\s*|\n+"  # Chinese and Japanese end a sentence without a space
+    r"(?<=[.!?])"
+    + "".join(
+        rf"(?<!\b[{a[0].upper()}{a[0]}]{re.escape(a[1:])}\.)"
+        for a in sorted(word_list("facts.sentences", "abbreviations"))
+    )
+    + r"\s+|(?<=[\u3002\uff01\uff1f])\s*|\n+"
 )
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "`": "'"})
-_I = re.IGNORECASE
 
-# The speaker talking about themselves (or their household).
-_ANCHOR = re.compile(
-    r"\b(?:i|i'm|im|i'd|i've|ive|i'll|me|my|mine|myself|we|we're|we've|we'll|our|ours|us)\b"
-)
-# Words before the first person that carry nothing: "oh and", "btw", "haha yeah so"; whole
-# words only ("yesterday" does not start with "yes", nor "Andrew" with "and").
-_LEAD = re.compile(
-    r"^(?:(?:oh|and|also|btw|by the way|anyway|anyways|well|haha\w*|lol|lmao|yeah|yea|yes|"
-    r"yep|ok|okay|um+|uh+|hmm+|but|plus|oh yeah|actually|fyi|ps|just so you know|honestly|"
-    r"tbh|literally|basically|random(?:ly)?|fun fact|true|totally|"
-    r"speaking of which|random but|side note)\b[\s,.!:;-]*)+",
-    _I,
-)
-_TRAIL = re.compile(
-    r"(?:[\s,]+(?:lol|haha\w*|lmao|btw|though|tho|anyway|:\)|:d|:p|xd|hehe))+[\s.!]*$", _I
-)
-_QUESTION = re.compile(
-    r"\?\s*$|^(?:what|where|when|who|whom|whose|which|how|why|do|does|did|can|could|would|"
-    r"will|should|is|are|am|was|were|have|has|remind me|any idea)\s"
-)
-_NOT_OBJECT = (
-    r"(?!(?:it|that|this|those|these|them|you|him|her|u|ur|yours?|me|so|too|i|we|im|i'm|when|"
-    r"how|what|a lot|to think|to say)\b)"
-)
-_NUMWORD = (
-    r"(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|"
-    r"fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|"
-    r"eighty|ninety|hundred|thousand|first|second|third|fourth|fifth|sixth|seventh|eighth|"
-    r"ninth|tenth|dozen)"
-)
-_RELATIVE = (
-    r"(?:wife|husband|spouse|partner|boyfriend|girlfriend|bf|gf|fianc[eé]e?|sons?|daughters?|"
-    r"kids?|children|child|baby|babies|twins?|mom|mum|mommy|mother|dad|daddy|father|parents|"
-    r"sisters?|brothers?|sis|bro|siblings?|step\w+|grandma|grandmother|granny|nana|grandpa|"
-    r"grandfather|grandparents|aunts?|auntie|uncles?|cousins?|nieces?|nephews?|in-laws?|"
-    r"roommates?|room ?mates?|best friend|bff|family|fiance|friends?|teachers?|doctor|dentist|"
-    r"therapist|coach|trainer|tutor|landlord|landlady|neighbou?rs?|vet|pastor|doc)"
-)
-_PET = (
-    r"(?:dogs?|pupp(?:y|ies)|pups?|cats?|kittens?|kitty|pets?|hamsters?|parrots?|birds?|budgies?|"
-    r"fish|goldfish|rabbits?|bunn(?:y|ies)|horses?|pony|turtles?|tortoises?|lizards?|geckos?|"
-    r"snakes?|ferrets?|guinea pigs?|chinchillas?|hedgehogs?)"
-)
-_THING = (
-    r"(?:car|truck|van|suv|bike|motorcycle|scooter|phone|laptop|computer|house|home|room|"
-    r"apartment|flat|place|bag|backpack|suitcase|luggage|keys|wallet|watch|ring|guitar|piano|"
-    r"camera|boat|locker|seat|desk|garden)"
-)
-
-# (kind, weight, pattern). The weight says how durable and useful the kind of fact is.
-_CUES: tuple[tuple[str, float, re.Pattern[str]], ...] = (
-    (
-        "health",
-        3.0,
-        re.compile(
-            r"\ballerg\w*|\bintoleran\w*|\banaphyla\w*|"
-            r"\b(?:can'?t|cannot|can not|don'?t|do not|never|shouldn'?t|not allowed to)\s+"
-            r"(?:eat|drink|touch)\b|\b(?:can'?t|cannot|can not|not allowed to)\s+have\s+"
-            r"(?!(?:fun|time|it|that|this|you|kids|children|a|an|the|to|any\s+fun|much|enough|"
-            r"everything|anything|nice|my|your)\b)\w+|"
-            r"\b(?:vegan|vegetarian|veggie|pescatarian|celiac|coeliac|diabetic|diabetes|dairy|"
-            r"insulin|asthma\w*|epi-?pens?|gluten|lactose|nut[- ]free|kosher|halal|sober|pregnant|"
-            r"medications?|meds|prescriptions?|inhaler|blood type|migraines?|refill|hives|diet|"
-            r"keto|paleo|fasting)\b|\bquit\s+(?:smoking|drinking|vaping|caffeine|sugar)\b|"
-            r"\b(?:makes?|made)\s+me\s+(?:so\s+|really\s+|super\s+)?(?:sick|sleepy|drowsy|dizzy|"
-            r"nauseous|itchy|itch|sneeze|break out|swell|throw up|puke)\b|"
-            r"\b(?:does(?:n'?t| not)|never) agrees? with me\b",
-        ),
-    ),
-    (
-        "name",
-        3.0,
-        re.compile(
-            r"\bnames?\s+(?:is|was|are)\b|\bname'?s\b|\bgoes by\b|\bnicknamed?\b|"
-            r"\b(?:named|called)\s+(?!(?:me|you|him|her|them|us|back|it|out|off|in|up|my|the|a|"
-            r"an|to|and|but|for|about|on|at|so|this|that)\b)\w+|"
-            r"\bcall (?:him|her|them|it)\s+(?!(?:back|up|out|later|now)\b)\w+",
-        ),
-    ),
-    (
-        "whereabouts",
-        3.0,
-        re.compile(
-            r"\bpark(?:ed|ing)\b|\bpark(?:ed)?\s+(?:on|in|at|by|near|next to|behind)\b|"
-            r"\b(?:my|our|the)\s+(?:car|truck|bike|keys|key|wallet|phone|bag|van|jeep|suitcase|"
-            r"luggage|passport|scooter|coat|glasses)(?:'s|\s+is|\s+are|\s+was|\s+were)\s+"
-            r"(?:\w+\s+)?(?:on|in|at|by|near|under|behind|parked|sitting|inside)\b|"
-            r"\b(?:left|put|keep|kept|stored?|locked|hid|dropped)\s+(?:my|the|our)\s+\w+"
-            r"(?:\s\w+)?\s+(?:in|on|at|under|by|behind|near|next to|inside|with)\b|"
-            r"\b(?:\d+(?:st|nd|rd|th)|" + _NUMWORD + r"|top|ground|bottom|basement)\s+"
-            r"(?:floor|level|row|deck|story|storey)\b|"
-            r"\b(?:level|floor|row|bay|section|aisle|space|spot|stall|deck|gate|platform|"
-            r"terminal|locker|room|seat|table|cabin|unit|suite|box|slot)\s+"
-            r"(?:[a-z]?\d+[a-z]?|" + _NUMWORD + r"|(?![ai]\b)[a-z])\b",
-        ),
-    ),
-    (
-        "home",
-        2.5,
-        re.compile(
-            r"\b(?:i'?m|im|i am|we'?re|we are|originally|i come|we come|i came|we came)\s+from\b|"
-            r"\blive[sd]?\s+(?:in|on|at|near|by|off|outside|with|right|just|downtown|here|there)\b|"
-            r"\bback home\b|\bwhere (?:i|we)(?:'m| am|'re| are| live)\b|"
-            r"\bliving\s+(?:in|on|at|near|with)\b|\bmov(?:ed|ing|e)\s+(?:to|into|in with)\b|"
-            r"\bmoved\s+(?:here|there|away|over)?\s*from\b|\bcondo\b|\bhouse in\b|"
-            r"\brent(?:ing)?\s+(?:a|an|my|our|the)\b|\bcommut\w+\b|\bstationed\b|"
-            r"\bgrew up\b|\bborn\b|\bhometown\b|\baddress\b|\bapartment\b|\bapt\b|"
-            r"\b(?:street|avenue|boulevard|st|ave|rd|blvd)\b|\b(?:zip|post(?:al)?)\s?code\b|"
-            r"\bon\s+\w+\s+(?:lane|ln|road|drive|dr|court|ct|way|place|terrace|circle|row)\b|"
-            r"\bneighbou?rhood\b|\bdorm\b",
-        ),
-    ),
-    (
-        "work",
-        2.5,
-        re.compile(
-            r"\bwork(?:s|ed|ing)?\s+(?:as|at|for|in|from|nights|days|weekends|part[- ]time|"
-            r"full[- ]time|remotely)\b|"
-            r"\b(?:my|our)\s+(?:job|boss|office|company|employer|shift|manager|coworkers?|"
-            r"co-workers?|colleagues?|clients?|business|career|salary|classes|class|professor|"
-            r"major|degree|thesis|internship)\b|"
-            r"\b(?:studying|study|studies|studied|majoring|majored|major)\s+(?:in|at)?\s*\w+|"
-            r"\b(?:freshman|sophomore|junior|senior|graduate student|grad student|phd)\b|"
-            r"\bgraduat(?:e|ed|ing)\b|\bretired\b|\bunemployed\b|\bintern(?:ship|ing)?\b|"
-            r"\b(?:teach|teaches|teaching|taught)\s+\w+|"
-            r"\b(?:i'?m|im|i am|i work)\s+in\s+(?:sales|marketing|accounting|finance|retail|it|hr|"
-            r"tech|construction|healthcare|real estate|insurance|law|education|hospitality)\b|"
-            r"\b(?:masters|master's|bachelors|bachelor's|doctorate|mba|residency|apprenticeship)\b|"
-            r"\bvolunteer(?:s|ed|ing)?\b|\b(?:run|runs|own|owns|manage|manages)\s+(?:a|an|my|our)\s+"
-            r"\w+|\b(?:speak|speaks|fluent in|native speaker|bilingual)\b|"
-            r"\b(?:i'?m|im|i am)\s+(?:an?|the)\s+(?!(?:bit|little|lot|tad|big fan|huge fan|"
-            r"fan|good|great|bad|little bit)\b)\w+",
-        ),
-    ),
-    (
-        "family",
-        2.0,
-        re.compile(r"\b(?:my|our)\s+(?:\w+\s+)?" + _RELATIVE + r"\b"),
-    ),
-    (
-        "pet",
-        2.0,
-        re.compile(
-            r"\b(?:my|our|a|an|two|three|four|\d)\s+(?:\w+\s+)?" + _PET + r"\b",
-        ),
-    ),
-    (
-        "possession",
-        2.0,
-        re.compile(
-            r"\b(?:i|we|i'm|im|we're)\s+(?:\w+\s+)?(?:have|own|got|getting|bought|buying|adopted|"
-            r"adopting|drive|ride|rent|lease)\s+"
-            r"(?:a|an|two|three|four|\d+|my|this|the|some)\s+"
-            r"(?!(?:question|headache|feeling|lot|few|good|great|bad|little|bit|test|idea|"
-            r"problem|minute|second|moment|chance|look|hard|long|nice|fun|busy|rough|weird|"
-            r"sense|clue|thing|way|time)\b)\w+|"
-            r"\b(?:my|our)\s+(?:\w+\s+)?" + _THING + r"\s+(?:is|are|was|'s|has)\b",
-        ),
-    ),
-    (
-        "event",
-        2.5,
-        re.compile(
-            r"\b(?:married|engaged|divorced|widowed|pregnant|expecting|"
-            r"birthday|bday|b-day|anniversary|due date|graduation|wedding|funeral|"
-            r"surgery|appointment|appt|interview|reservation|recital|exam|finals|dentist|"
-            r"check-?up|haircut|physio|therapy session|check-?in|check-?out|"
-            r"(?:class|lesson|practice|rehearsal|shift|lecture)\s+(?:at|on|starts|is at))\b|"
-            r"\bdue\s+(?:on|by|in|at|next|this|tomorrow|today|friday|monday)\b",
-        ),
-    ),
-    (
-        "plan",
-        2.0,
-        re.compile(
-            r"\b(?:fly(?:ing)?|flight|trip|travel\w*|vacation|holiday|honeymoon|cruise|"
-            r"visit(?:ing)?|heading (?:to|out|back)|leav(?:e|ing) (?:for|on)|"
-            r"plan(?:s|ning|ned)?\s+(?:to|on)\s+"
-            + _NOT_OBJECT
-            + r"\w+|booked|concert|tournament|move-in|moving|"
-            r"training for|signed up for|race|marathon|competition)\b|"
-            r"\b(?:can'?t wait|cant wait|so (?:stoked|excited|pumped)|looking forward to)\b",
-        ),
-    ),
-    (
-        # "going to X" is as often what the speaker does next minute as a plan: it takes a
-        # date or a number to count.
-        "intent",
-        1.5,
-        re.compile(
-            r"\b(?:going|go|get|got) back to\b|"
-            r"\bgoing to\s+(?!(?:be|bed|sleep|say|try|have|do|get|need|make|go|take|keep|let|"
-            r"see|tell|ask|think|cry|die|lie)\b)\w+",
-        ),
-    ),
-    (
-        "preference",
-        2.0,
-        re.compile(
-            r"\b(?:i|we|i've|ive|we've|i'd|we'd)\s+(?:\w+\s+)?(?:love|loved|like|enjoy|adore|hate|"
-            r"dislike|detest|prefer|can'?t stand|cannot stand|am into|'m into|am obsessed with|"
-            r"'m obsessed with|am a fan of|'m a fan of|'m a big fan of|am a big fan of|collect|"
-            r"play|played|playing)\s+" + _NOT_OBJECT + r"\w+|"
-            r"\b(?:best|greatest|worst)\s+(?:\w+\s+){0,2}(?:ever|in the world|of all time)\b|"
-            r"\b(?:afraid|scared|terrified) of\b|\bphobia\b|"
-            r"\b(?:don'?t|doesn'?t|do not) get along\b|"
-            r"\bmy (?:jam|thing|weakness|guilty pleasure|fave)\b|\b(?:root|rooting|cheer) for\b|"
-            r"\b\w+ fan\b|\bfan of\b|"
-            r"\bobsessed with\b|\bcomfort food\b|\bon repeat\b|\bgo-?to\b|\bmy usual\b|"
-            r"\b(?:a|an)\s+\w+\s+person\b",
-        ),
-    ),
-    (
-        "favourite",
-        2.5,
-        re.compile(r"\b(?:fav(?:ou?rite|e|s)?|fave)\b"),
-    ),
-    (
-        "number",
-        2.5,
-        re.compile(
-            r"\b(?:my|our)\s+(?:\w+\s+){0,2}(?:number|no\.?|#|code|size|pin|combo|combination|"
-            r"extension|ext|license plate|plate)\b",
-        ),
-    ),
-    (
-        "age",
-        2.5,
-        re.compile(
-            r"\b(?:i'?m|im|i am)\s+(?:\d{1,2}|" + _NUMWORD + r")\b(?!\s*(?:minutes|mins|"
-            r"hours|hrs|days|feet|ft|miles|%|percent))|\byears? old\b|"
-            r"\bturn(?:ed|ing|s)?\s+(?:\d{1,2}|" + _NUMWORD + r")\b",
-        ),
-    ),
-    (
-        "habit",
-        2.0,
-        re.compile(
-            r"\b(?:once|twice|three times|\d+ times)\s+(?:a|per|every)\s+(?:day|week|month|year)\b|"
-            r"\bevery\s+(?:single\s+|other\s+)?(?:morning|day|night|evening|week|weekend|month|"
-            r"summer|winter|\w+day)\b|"
-            r"\bsince\s+(?:19|20)\d\d\b|"
-            r"\b(?:since|for)\s+(?:high school|college|middle school|years|ages|forever|"
-            r"(?:a|\d+|" + _NUMWORD + r"|a few|a couple(?: of)?)\s+(?:years|months|decades))\b",
-        ),
-    ),
-    (
-        "request",
-        2.0,
-        re.compile(
-            r"\b(?:i|we)\s+(?:really\s+|still\s+|just\s+)?(?:need|want|wanna|would like|'d like)"
-            r"\s+(?:to\s+)?(?!(?:know|ask|say|see|talk|chat|hear|sleep|go to bed|cry|die)\b)\w+",
-        ),
-    ),
+_ANCHOR = re.compile(_EN["anchor"])
+_LEAD = re.compile(_EN["lead"], _I)
+_TRAIL = re.compile(_EN["trail"], _I)
+_QUESTION = re.compile(_EN["question"])
+# How durable and useful each kind of fact is; a kind's pattern is its language's.
+_WEIGHTS = {
+    "health": 3.0,
+    "name": 3.0,
+    "whereabouts": 3.0,
+    "home": 2.5,
+    "work": 2.5,
+    "family": 2.0,
+    "pet": 2.0,
+    "possession": 2.0,
+    "event": 2.5,
+    "plan": 2.0,
+    "intent": 1.5,
+    "preference": 2.0,
+    "favourite": 2.5,
+    "number": 2.5,
+    "age": 2.5,
+    "habit": 2.0,
+    "request": 2.0,
+}
+_CUE_PATTERNS = patterns("facts.cues")
+if set(_CUE_PATTERNS) != set(_WEIGHTS):
+    raise RuntimeError(
+        f"chatctx/data/words/en.toml [facts.cues] has kinds {sorted(_CUE_PATTERNS)}, "
+        f"the code weighs {sorted(_WEIGHTS)}"
+    )
+# (kind, weight, pattern).
+_CUES: tuple[tuple[str, float, re.Pattern[str]], ...] = tuple(
+    (kind, weight, re.compile(_CUE_PATTERNS[kind])) for kind, weight in _WEIGHTS.items()
 )
 # Which kinds are about the speaker even without "I"/"my" (a fragment like "allergic to nuts").
 _SELF_EVIDENT = frozenset({"health", "whereabouts", "name", "number", "event", "age"})
 _SELF_EVIDENT_CUES = tuple(cue for cue in _CUES if cue[0] in _SELF_EVIDENT)
-# Phrases that only make sense about the speaker's own affairs.
-_IMPLIED_SPEAKER = re.compile(
-    r"\b(?:can'?t wait|cant wait|so (?:stoked|excited|pumped|nervous)|note to self|"
-    r"wish me luck|mark your calendars?|if anyone asks|nothing beats|looking forward to)\b"
-)
-_DATE = re.compile(
-    r"\bin (?:a|one|two|three|four|five|six|a few|a couple of) (?:days|weeks|months)\b|"
-    r"\b(?:mon|tues?|wed|thur?s?|fri|sat|sun)(?:day)?\b|\bweekend\b|"
-    r"\b(?:january|february|march|april|june|july|august|september|october|november|december|"
-    r"jan|feb|mar|apr|jun|jul|aug|sept?|oct|nov|dec)\b|\bmay\s+\d|"
-    r"\b(?:today|tomorrow|tonight|tmrw|tmr|tomorow|christmas|xmas|thanksgiving|easter|"
-    r"halloween|new year'?s|spring break|summer break|winter break|fall break)\b|"
-    r"\b(?:next|last|this|coming)\s+(?:week|month|year|weekend|summer|winter|spring|fall|"
-    r"autumn|morning|afternoon|evening|night|\w+day)\b|"
-    r"\b\d{1,2}(?:st|nd|rd|th)\b|\b(?:the\s+)?" + _NUMWORD + r"(?:th)?\s+of\b|"
-    r"\b\d{1,2}(?::\d\d)?\s?(?:am|pm|a\.m\.|p\.m\.)|\bo'?clock\b|\bnoon\b|\bmidnight\b|"
-    r"\b\d{1,2}/\d{1,2}(?:/\d{2,4})?\b|\bin \d+ (?:days|weeks|months)\b"
-)
-_DROPPED_SUBJECT = re.compile(
-    r"(?:just|still|also|finally|recently|born|raised|grew up|allergic|parked|moved|moving|"
-    r"living|working|married|engaged|going|heading|flying|leaving|studying|been|got|getting|"
-    r"gotta|have|had|need|love|loving|hate|started|finished|bought|turning|visiting|booked|"
-    r"took|take|taking|play|playing|played|drive|driving|work|live|left|lost|found|planning|"
-    r"hoping|trying|thinking|training|saving|learning|teaching|adopted|adopting|"
-    r"(?:can't|cant|cannot|don't|dont|didn't|didnt|won't|wont|never)\s+[a-z]{3,})\b"
-)
-_LEANS_BACK = re.compile(
-    r"(?:she|he|they|it|that|this|thats|that's|she's|he's|they're|it's|shes|hes|its)\b", _I
-)
-_ASKS_ITSELF = re.compile(r"(?:my|our)\s+(?:\w+\s+){0,2}\w+\s*\?$", _I)
-_CLAUSE_START = re.compile(r"(?:i|i'm|im|i've|ive|i'd|i'll|we|we're|we've|my|our)$", _I)
-_NUMBER = re.compile(r"\d|\b" + _NUMWORD + r"\b")
+_IMPLIED_SPEAKER = re.compile(_EN["implied_speaker"])
+_DATE = re.compile(_EN["date"])
+_DROPPED_SUBJECT = re.compile(_EN["dropped_subject"])
+_LEANS_BACK = re.compile(_EN["leans_back"], _I)
+_ASKS_ITSELF = re.compile(_EN["asks_itself"], _I)
+_CLAUSE_START = re.compile(_EN["clause_start"], _I)
+_NUMBER = re.compile(_EN["number"])
+_CLAUSE_BREAK = re.compile(_EN["clause_break"], _I)
+_SOMEONE_ELSE = re.compile(_EN["someone_else"])
 _PROPER = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]{2,}")
 _WORD = re.compile(r"[\w'-]+")
 MAX_WORDS = 24
 SHORT_WORDS = 12
 LENGTH_COST = 0.1  # score per word beyond SHORT_WORDS
-_CLAUSE_BREAK = re.compile(
-    r",\s+(?:and|but|so|because|though|which|cause|cuz|since)\s+|"
-    r"\s+(?:but|because|cause|cuz|although|though|whereas)\s+|;\s+|\s+-\s+",
-    _I,
-)
 THRESHOLD = 2.0
 # A sentence no pattern recognizes can still hold a fact: "the pharmacy ran out of metformin
 # again", "i swapped my civic for a used tacoma". It is kept as a *minor* fact when it names
@@ -421,12 +180,6 @@ _RARITY = {
     word: max(0.0, math.log(_CHATS / (used + 1)) / math.log(_CHATS))
     for word, used in _USED_IN.items()
 }
-# Someone or something other than the speaker that a sentence can be about.
-_SOMEONE_ELSE = re.compile(
-    r"\b(?:you|u|ur|your|yours|youre|he|him|his|hes|she|hers|shes|they|them|their|theirs|"
-    r"theyre|it|its|that|thats|this|these|those|there|theres|here|someone|somebody|everyone|"
-    r"everybody|people|who|what|which)\b"
-)
 _ALPHA = re.compile(r"[^\W\d_]+")
 
 
