@@ -43,7 +43,9 @@ from chatctx.context.summarizers import parse_summary
 from chatctx.model.kv import plan_in_order
 from chatctx.store import Message
 
-_WORD = re.compile(r"[a-z0-9]+")
+# A word in any script: letters and digits (Korean "배송은", Japanese and Chinese runs written
+# without spaces, "mañana" whole); an item matches the sentence holding all its words.
+_WORD = re.compile(r"[^\W_]+")
 _WORD_RUN = re.compile(r"\S+")
 _APOSTROPHES = str.maketrans({"\u2019": "", "\u2018": "", "'": ""})
 Span = tuple[int, int]  # (start, end) of message content
@@ -87,7 +89,7 @@ def _openings(content: str, at: int, most: int = 8) -> list[int]:
 
 
 def _words(text: str) -> frozenset[str]:
-    return frozenset(_WORD.findall(text.lower().translate(_APOSTROPHES)))
+    return frozenset(_WORD.findall(text.casefold().translate(_APOSTROPHES)))
 
 
 def summary_items(summary: str) -> tuple[list[frozenset[str]], list[str]]:

@@ -206,3 +206,27 @@ def test_a_reopened_session_builds_the_same_prompts(
     )
     assert shown.exit_code == 0, shown.output
     assert f"sent as {len(state.summary.abridged)} evicted messages cut down" in shown.output
+
+
+def test_items_in_any_script_keep_their_own_sentences(llama3_codec: TiktokenCodec) -> None:
+    """Items are matched to sentences by their words in any script: a Korean item is kept
+    with its own sentence, not with another that shares its digits, and one with no Latin
+    letter or digit at all is kept too."""
+    message = _message(
+        1,
+        "assistant",
+        "네 고객님, 확인해 드렸어요. 설치는 보통 1시간에서 5시간 정도 걸려요. "
+        "기사님은 오후 1시에서 5시 사이에 도착합니다. 택배는 롯데택배로 보내 드립니다. "
+        "다른 문의 있으시면 말씀해 주세요.",
+    )
+    summary = (
+        "Assistant: 기사님은 오후 1시에서 5시 사이에 도착합니다; 택배는 롯데택배로 보내 드립니다"
+    )
+    cut = _cut_one(llama3_codec, summary, message)
+    text = cut.text(message.content)
+    # By hand: the two sentences of the items; not the one on how long installing takes,
+    # which shares the digits 1 and 5 only, nor the closing line.
+    assert "기사님은 오후 1시에서 5시 사이에 도착합니다." in text
+    assert "택배는 롯데택배로 보내 드립니다." in text
+    assert "설치는" not in text and "다른 문의" not in text
+    assert cut.value == 2
