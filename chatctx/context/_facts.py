@@ -78,7 +78,7 @@ _INTRODUCED = re.compile(_EN["introduced"])
 # Sentence ends, not abbreviations ("St. Mary's", "Dr. Lee", "Apt. 4"); Chinese and Japanese
 # end a sentence without a space.
 _SENTENCE = re.compile(
-    r"(?<=[.!?])"
+    r"(?<=[.!?\u061f])"
     + "".join(
         rf"(?<!\b[{a[0].upper()}{a[0]}]{re.escape(a[1:])}\.)"
         for a in sorted(word_list("facts.sentences", "abbreviations"))

@@ -238,3 +238,16 @@ def test_a_new_value_the_summary_holds_already_forces_no_rewrite(
         old_only, confirm
     )
     assert "25일" in renewed
+
+
+def test_sentences_end_at_the_question_marks_of_other_scripts() -> None:
+    """An Arabic question mark ends a sentence as "?" does; Chinese and Japanese end one
+    without a space; an abbreviation's full stop ends none (split by hand)."""
+    from chatctx.context._facts import sentences
+
+    assert sentences("هل وصل الطلب؟ نعم، وصل أمس.") == ["هل وصل الطلب؟", "نعم، وصل أمس."]
+    assert sentences("订单到了吗？到了。") == ["订单到了吗？", "到了。"]
+    assert sentences("¿Llegó el pedido? Sí, con el Dr. Ruiz.") == [
+        "¿Llegó el pedido?",
+        "Sí, con el Dr. Ruiz.",
+    ]
