@@ -276,10 +276,10 @@ class ConversationContext:
         ``sampling`` in place of the stored generation settings). ``open_turn``: the
         position of ``new_message`` when it is stored already, in a turn still open, and
         the calls and results that follow it. ``tools``: the function tools offered."""
-        conversation = self.store.get_conversation(self.conversation_id)
+        inputs = self.store.context_inputs(self.conversation_id)
+        conversation, stored, history = inputs.conversation, inputs.state, inputs.history
         parsed = ConversationSettings.parse(conversation.settings)
         generation, context = sampling or parsed.generation, parsed.context
-        stored = self.store.context_state(self.conversation_id)
         state = ContextState(
             window_start=stored.window_start,
             summary=stored.summary.content if stored.summary else None,
@@ -291,7 +291,6 @@ class ConversationContext:
             if stored.summary
             else (),
         )
-        history = self.store.messages(self.conversation_id, from_position=state.window_start)
         if open_turn is not None:
             history = [m for m in history if m.position < open_turn[0]]
         budget, reserve = self._budget(context, generation)
@@ -302,7 +301,7 @@ class ConversationContext:
             budget=budget,
             reserve=reserve,
             state=state,
-            pinned=self.store.pinned_messages(self.conversation_id),
+            pinned=inputs.pinned,
             open_turn=open_turn[1] if open_turn is not None else (),
             tools=tools,
         )

@@ -15,6 +15,7 @@ from chatctx.store._migrate import current_revision, head_revision, migrations_d
 from chatctx.store._placements import Placement
 from chatctx.store._records import (
     ROLES,
+    ContextInputs,
     Conversation,
     Message,
     StoredContextState,
@@ -36,6 +37,7 @@ from chatctx.store.jsonl import (
 __all__ = [
     "CLAIM_TTL_S",
     "ROLES",
+    "ContextInputs",
     "Conversation",
     "ConversationRecord",
     "Message",

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, func, select
+from sqlalchemy import ColumnElement, delete, func, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
@@ -32,6 +32,7 @@ from chatctx.store._models import (
 from chatctx.store._placements import PlacementStore
 from chatctx.store._records import (
     ROLES,
+    ContextInputs,
     Conversation,
     Message,
     StoredContextState,
@@ -90,46 +91,104 @@ def _turn(row: TurnRow) -> Turn:
     return Turn(**{name: getattr(row, name) for name in Turn.__dataclass_fields__})
 
 
+def _read_conversation(session: Session, conversation_id: str) -> Conversation:
+    row = session.get(ConversationRow, conversation_id)
+    if row is None:
+        raise ConversationNotFound(conversation_id)
+    count = session.scalar(
+        select(func.count()).where(MessageRow.conversation_id == conversation_id)
+    )
+    return _conversation(row, count or 0)
+
+
+def _read_messages(session: Session, conversation_id: str, from_position: int) -> list[Message]:
+    rows = session.scalars(
+        select(MessageRow)
+        .where(
+            MessageRow.conversation_id == conversation_id,
+            MessageRow.position >= from_position,
+        )
+        .order_by(MessageRow.position)
+    )
+    return [_message(row) for row in rows]
+
+
+def _read_pinned(session: Session, conversation_id: str) -> list[Message]:
+    rows = session.scalars(
+        select(MessageRow)
+        .where(MessageRow.conversation_id == conversation_id, MessageRow.pinned)
+        .order_by(MessageRow.position)
+    )
+    return [_message(row) for row in rows]
+
+
+def _read_state(session: Session, conversation_id: str) -> StoredContextState:
+    row = session.get(ContextStateRow, conversation_id)
+    if row is None:
+        return StoredContextState()
+    summary = session.get(SummaryRow, row.summary_id) if row.summary_id else None
+    return StoredContextState(
+        window_start=row.window_start,
+        summary=_summary(summary) if summary else None,
+        pending_ids=tuple(row.pending_ids or ()),
+        version=row.version,
+        cleared_ids=tuple(row.cleared_ids or ()),
+    )
+
+
 def _append(
     session: Session,
     conversation_id: str,
     messages: Sequence[Mapping[str, Any]],
     settings: dict[str, Any] | None = None,
-) -> list[MessageRow]:
+) -> list[Message]:
     """Append messages at the conversation's next positions (inside a write transaction);
-    ``settings`` replace the conversation's."""
+    ``settings`` replace the conversation's.
+
+    Plain statements on the tables, no rows loaded into the session: a turn appends twice,
+    and the ORM's loading and flushing cost more than the statements.
+    """
     for message in messages:
         if message["role"] not in ROLES:
             raise StoreError(f"unknown role {message['role']!r}")
-    # The write lock (SQLite) or this row lock (other databases) serializes appends to one
-    # conversation, so the next position is read by one writer at a time.
-    conversation = session.get(ConversationRow, conversation_id, with_for_update=True)
-    if conversation is None:
-        raise ConversationNotFound(conversation_id)
+    # On the session's connection: Core statements, never the ORM's unit of work.
+    connection = session.connection()
+    # The write lock (SQLite) or the row lock this UPDATE takes (other databases) serializes
+    # appends to one conversation, so the next position is read by one writer at a time.
+    now = utcnow()
+    values: dict[str, Any] = {"updated_at": now}
     if settings is not None:
-        conversation.settings = settings
-    last = session.scalar(
+        values["settings"] = settings
+    touch = update(ConversationRow).where(ConversationRow.id == conversation_id).values(**values)
+    if connection.dialect.update_returning:  # SQLite, PostgreSQL
+        found = connection.execute(touch.returning(ConversationRow.id)).first() is not None
+    else:
+        found = connection.execute(touch).rowcount > 0
+    if not found:
+        raise ConversationNotFound(conversation_id)
+    last = connection.scalar(
         select(func.max(MessageRow.position)).where(MessageRow.conversation_id == conversation_id)
     )
     position = -1 if last is None else last
-    rows = []
+    added = []
     for message in messages:
         position += 1
-        row = MessageRow(
-            conversation_id=conversation_id,
-            position=position,
-            role=message["role"],
-            content=message["content"],
-            status=message.get("status") or "complete",
-            name=message.get("name"),
-            tool_call_id=message.get("tool_call_id"),
-            tool_calls=message.get("tool_calls"),
-        )
-        session.add(row)
-        rows.append(row)
-    conversation.updated_at = utcnow()
-    session.flush()
-    return rows
+        row = {
+            "conversation_id": conversation_id,
+            "position": position,
+            "role": message["role"],
+            "content": message["content"],
+            "status": message.get("status") or "complete",
+            "name": message.get("name"),
+            "tool_call_id": message.get("tool_call_id"),
+            "tool_calls": message.get("tool_calls"),
+            "pinned": False,
+            "created_at": now,
+        }
+        key = connection.execute(insert(MessageRow).values(**row)).inserted_primary_key
+        assert key is not None  # a single-row INSERT of a table with a primary key
+        added.append(Message(id=int(key[0]), **row))
+    return added
 
 
 def _add_turn(session: Session, conversation_id: str, figures: Mapping[str, Any]) -> TurnRow:
@@ -274,13 +333,7 @@ class Store(PlacementStore, TurnClaimStore, ResponseStore, CacheMixin, Closeable
 
     def get_conversation(self, conversation_id: str) -> Conversation:
         with self._session() as session:
-            row = session.get(ConversationRow, conversation_id)
-            if row is None:
-                raise ConversationNotFound(conversation_id)
-            count = session.scalar(
-                select(func.count()).where(MessageRow.conversation_id == conversation_id)
-            )
-            return _conversation(row, count or 0)
+            return _read_conversation(session, conversation_id)
 
     def has_conversation(self, conversation_id: str) -> bool:
         with self._session() as session:
@@ -421,8 +474,7 @@ class Store(PlacementStore, TurnClaimStore, ResponseStore, CacheMixin, Closeable
             if message["role"] not in ROLES:
                 raise StoreError(f"unknown role {message['role']!r}")
         with self._session(write=True) as session:
-            rows = _append(session, conversation_id, messages, settings)
-            return [_message(row) for row in rows]
+            return _append(session, conversation_id, messages, settings)
 
     @_retry_busy
     def update_message(self, message_id: int, *, content: str, status: str) -> Message:
@@ -441,15 +493,21 @@ class Store(PlacementStore, TurnClaimStore, ResponseStore, CacheMixin, Closeable
         with self._session() as session:
             if session.get(ConversationRow, conversation_id) is None:
                 raise ConversationNotFound(conversation_id)
-            rows = session.scalars(
-                select(MessageRow)
-                .where(
-                    MessageRow.conversation_id == conversation_id,
-                    MessageRow.position >= from_position,
-                )
-                .order_by(MessageRow.position)
+            return _read_messages(session, conversation_id, from_position)
+
+    def context_inputs(self, conversation_id: str) -> ContextInputs:
+        """The conversation, its context state, its messages from the state's window start
+        and its pinned messages, in one read transaction: one consistent view, read at the
+        cost of one (what every turn reads before building its context)."""
+        with self._session() as session:
+            conversation = _read_conversation(session, conversation_id)
+            state = _read_state(session, conversation_id)
+            return ContextInputs(
+                conversation,
+                state,
+                _read_messages(session, conversation_id, state.window_start),
+                _read_pinned(session, conversation_id),
             )
-            return [_message(row) for row in rows]
 
     def last_turn(self, conversation_id: str) -> list[Message]:
         """The messages of the newest turn: its user message and all after it (empty when
@@ -488,12 +546,7 @@ class Store(PlacementStore, TurnClaimStore, ResponseStore, CacheMixin, Closeable
 
     def pinned_messages(self, conversation_id: str) -> list[Message]:
         with self._session() as session:
-            rows = session.scalars(
-                select(MessageRow)
-                .where(MessageRow.conversation_id == conversation_id, MessageRow.pinned)
-                .order_by(MessageRow.position)
-            )
-            return [_message(row) for row in rows]
+            return _read_pinned(session, conversation_id)
 
     @_retry_busy
     def set_pinned(self, message_id: int, pinned: bool = True) -> Message:
@@ -510,17 +563,7 @@ class Store(PlacementStore, TurnClaimStore, ResponseStore, CacheMixin, Closeable
 
     def context_state(self, conversation_id: str) -> StoredContextState:
         with self._session() as session:
-            row = session.get(ContextStateRow, conversation_id)
-            if row is None:
-                return StoredContextState()
-            summary = session.get(SummaryRow, row.summary_id) if row.summary_id else None
-            return StoredContextState(
-                window_start=row.window_start,
-                summary=_summary(summary) if summary else None,
-                pending_ids=tuple(row.pending_ids or ()),
-                version=row.version,
-                cleared_ids=tuple(row.cleared_ids or ()),
-            )
+            return _read_state(session, conversation_id)
 
     @_retry_busy
     def save_context_state(
@@ -661,8 +704,7 @@ class Store(PlacementStore, TurnClaimStore, ResponseStore, CacheMixin, Closeable
             if reply is not None:
                 (message,) = _append(session, conversation_id, [dict(reply)])
             figures["assistant_message_id"] = message.id if message is not None else None
-            turn = _add_turn(session, conversation_id, figures)
-            return (_message(message) if message is not None else None), _turn(turn)
+            return message, _turn(_add_turn(session, conversation_id, figures))
 
     def turns(self, conversation_id: str) -> list[Turn]:
         with self._session() as session:

@@ -132,3 +132,13 @@ class StoredContextState:
     pending_ids: tuple[int, ...] = ()
     version: int = 0  # saves so far: what ``save_context_state(expected_version=...)`` checks
     cleared_ids: tuple[int, ...] = ()  # tool results in the window sent as a stub
+
+
+@dataclass(frozen=True, slots=True)
+class ContextInputs:
+    """What a turn's context is built from, read together (``Store.context_inputs``)."""
+
+    conversation: Conversation
+    state: StoredContextState
+    history: list[Message]  # the messages from the state's window start on, in order
+    pinned: list[Message]

@@ -24,7 +24,14 @@ from sqlalchemy.orm import Session
 from chatctx.errors import StoreError
 from chatctx.store._db import Store
 from chatctx.store._models import MessageRow, TurnRow, utcnow
-from chatctx.store._records import ROLES, Conversation, Message, StoredContextState, Turn
+from chatctx.store._records import (
+    ROLES,
+    ContextInputs,
+    Conversation,
+    Message,
+    StoredContextState,
+    Turn,
+)
 
 _TURN_FIELDS = tuple(name for name in Turn.__dataclass_fields__ if name not in ("id", "created_at"))
 
@@ -200,6 +207,18 @@ class ReplayStore(Store):
         with self._lock:
             self.get_conversation(conversation_id)  # ConversationNotFound
             return [m for m in self._messages_of(conversation_id) if m.position >= from_position]
+
+    def context_inputs(self, conversation_id: str) -> ContextInputs:
+        # From what it mirrors (the one writer's view is consistent by itself).
+        with self._lock:
+            conversation = self.get_conversation(conversation_id)
+            state = self.context_state(conversation_id)
+            return ContextInputs(
+                conversation,
+                state,
+                self.messages(conversation_id, from_position=state.window_start),
+                self.pinned_messages(conversation_id),
+            )
 
     def last_turn(self, conversation_id: str) -> list[Message]:
         history = self.messages(conversation_id)

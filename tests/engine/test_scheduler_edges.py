@@ -6,6 +6,7 @@ make (recorded around ``decode_many``) with their wall-clock times, and a watchd
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -14,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from chatctx import ConfigError, DeadlineExceeded, Engine, GenerationError, GenerationSettings
+from chatctx import (
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+    Engine,
+    GenerationError,
+    GenerationSettings,
+)
 from chatctx.backends.base import Lease
 from chatctx.backends.engine._scheduler import PREFILL_CHUNK
 from chatctx.backends.pool import AWAY_GRACE_S, SlotPool
@@ -337,6 +345,69 @@ def test_a_waiter_that_does_not_come_back_holds_no_one_up_after_the_grace() -> N
     started = time.monotonic()
     assert pool.lease("next", timeout=5).owner == "next"
     assert time.monotonic() - started < 5  # served once the grace ran out, not at the timeout
+
+
+def test_one_waiting_behind_a_waiter_that_left_is_woken_after_the_grace() -> None:
+    # "next" is asleep in line behind "gone", whose poll timed out and who never comes back.
+    # A release wakes only the one who may go: "gone" is passed over, and "next" must be
+    # woken to wait out its grace, not left asleep until its own timeout (10 s).
+    pool = _pool(1)
+    first = pool.lease("a")
+    with pytest.raises(DeadlineExceeded):
+        pool.lease("gone", timeout=0.05)
+    served: list[float] = []
+    nxt = threading.Thread(
+        target=lambda: served.append(pool.lease("next", timeout=10) and time.monotonic()),
+        daemon=True,
+    )
+    nxt.start()
+    _wait_for_line(pool, 2)
+    time.sleep(AWAY_GRACE_S)  # "gone" is past its grace before the release
+    released = time.monotonic()
+    pool.release(first)
+    nxt.join(10)
+    assert served and served[0] - released < 2.0
+
+
+def test_a_release_wakes_the_next_in_line_not_the_whole_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each time a waiter wakes it looks at the line (``_next_in_line``): the oracle is the
+    # count of those looks. Waking all 12 waiters at each lease and release (notify_all) was
+    # most of the pool's CPU time with a long line; only the one who may go needs to wake.
+    pool = _pool(1)
+    looks: list[str] = []
+    look = SlotPool._next_in_line
+
+    def counted_look(self: SlotPool, turn: Any) -> bool:
+        looks.append(turn.owner if turn is not None else "")
+        return look(self, turn)
+
+    monkeypatch.setattr(SlotPool, "_next_in_line", counted_look)
+    held = pool.lease("a")
+    got: list[Lease] = []
+
+    def wait_in_line(n: int) -> None:
+        with contextlib.suppress(ClosedError):  # the pool closed under it: the test failed
+            got.append(pool.lease(f"c{n:02d}"))
+
+    try:
+        for n in range(12):
+            threading.Thread(target=wait_in_line, args=(n,), daemon=True).start()
+            _wait_for_line(pool, n + 1)
+        for turn in range(12):
+            looks.clear()
+            pool.release(held)
+            deadline = time.monotonic() + 5
+            while len(got) < turn + 1:
+                assert time.monotonic() < deadline, "no one took the freed slot"
+                time.sleep(0.005)
+            time.sleep(0.02)  # the rest of the line would have woken by now
+            held = got[turn]
+            assert held.owner == f"c{turn:02d}"  # first come, first served
+            assert looks == [held.owner]  # it alone woke
+    finally:
+        pool.close()  # wakes whoever is still in line
 
 
 def test_the_owner_of_an_idle_pinned_slot_never_waits_in_line() -> None:

@@ -212,3 +212,59 @@ def test_get_or_create_says_whether_it_created(db_url: str) -> None:
         again, created_again = store.get_or_create_conversation("g", system_prompt="two")
     assert (created, created_again) == (True, False)
     assert first.system_prompt == again.system_prompt == "one"
+
+
+def test_appended_messages_are_returned_as_stored(db_url: str) -> None:
+    # The oracle: what a fresh store reads back. An append is plain statements, no ORM row
+    # to fill in its id or defaults: each returned message must still be the stored one.
+    with Store(db_url) as store:
+        store.create_conversation("c")
+        store.add_message("c", "user", "first")
+        added = store.add_messages(
+            "c",
+            [
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1"}]},
+                {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "lookup"},
+            ],
+            settings={"b": 2},
+        )
+        reply, _ = store.record_reply(
+            "c", {"role": "assistant", "content": "done", "status": "partial"}, **TURN
+        )
+        before = store.get_conversation("c").updated_at
+    with Store(db_url) as store:
+        stored = store.messages("c")
+        assert stored[1:] == [*added, reply]
+        assert [m.position for m in stored] == [0, 1, 2, 3]
+        conversation = store.get_conversation("c")
+        assert conversation.settings == {"b": 2} and conversation.updated_at == before
+        with pytest.raises(ConversationNotFound):
+            store.record_reply("nope", {"role": "assistant", "content": "x"}, **TURN)
+        assert len(store.messages("c")) == 4 and len(store.turns("c")) == 1
+
+
+def test_context_inputs_are_read_from_the_window_start(db_url: str) -> None:
+    with Store(db_url) as store:
+        store.create_conversation("c", system_prompt="sys")
+        ids = [m.id for m in store.add_messages("c", [{"role": "user", "content": "x"}] * 5)]
+        store.set_pinned(ids[0])
+        store.save_context_state("c", window_start=3, new_summary=("s", ids[:3], 4, "tok"))
+        inputs = store.context_inputs("c")
+        assert inputs.conversation.system_prompt == "sys"
+        assert inputs.state.window_start == 3 and inputs.state.summary is not None
+        assert [m.position for m in inputs.history] == [3, 4]  # the window, by hand
+        assert [m.id for m in inputs.pinned] == [ids[0]]  # pinned, though evicted
+        with pytest.raises(ConversationNotFound):
+            store.context_inputs("nope")
+
+
+TURN = {
+    "n_ctx": 512,
+    "prompt_tokens": 10,
+    "reused_tokens": 0,
+    "evaluated_tokens": 10,
+    "generated_tokens": 2,
+    "prefill_ms": 1.0,
+    "total_ms": 2.0,
+    "stop_reason": "eog",
+}
