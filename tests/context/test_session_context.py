@@ -237,11 +237,12 @@ def test_a_state_another_writer_saved_meanwhile_is_built_on_not_lost(
             chat_many(chat, 1, start=turn)
             turn += 1
             assert turn < 40, "the chat never reached an eviction"
-        read = chat.store.context_state
+        read = chat.store.context_inputs
         raced: list[int] = []
 
         def racing(conversation_id: str):  # type: ignore[no-untyped-def]
-            state = read(conversation_id)
+            inputs = read(conversation_id)
+            state = inputs.state
             if not raced:  # the other writer adds a fact to the summary
                 raced.append(state.version)
                 summary = f"{state.summary.content} {fact}" if state.summary else fact
@@ -253,9 +254,9 @@ def test_a_state_another_writer_saved_meanwhile_is_built_on_not_lost(
                     pending_ids=state.pending_ids,
                     new_summary=(summary, [], count, chat.last_build.fingerprint),
                 )
-            return state
+            return inputs
 
-        monkeypatch.setattr(chat.store, "context_state", racing)
+        monkeypatch.setattr(chat.store, "context_inputs", racing)
         reply = chat.send(f"Order NH-{5000 + turn}: case {turn}.")
         assert reply.plan.evicted and raced
         state = other.context_state("c")
