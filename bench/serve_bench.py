@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -261,11 +262,15 @@ def free_port() -> int:
         return port
 
 
-def prompt_tokens(url: str) -> int:
-    """llama-server's ``prompt_tokens_total``: tokens it evaluated since it started."""
-    from _llama_server import prompt_tokens_total
+def server_tokens(url: str) -> tuple[int, int]:
+    """llama-server's own counters since it started: tokens it evaluated for prompts
+    (``prompt_tokens_total``) and tokens it generated (``tokens_predicted_total``)."""
+    from _llama_server import metric
 
-    return prompt_tokens_total([url])
+    return (
+        int(metric(url, "llamacpp:prompt_tokens_total")),
+        int(metric(url, "llamacpp:tokens_predicted_total")),
+    )
 
 
 @contextlib.contextmanager
@@ -439,7 +444,8 @@ def llama_server(
         slots=args.slots,
         n_ctx=args.n_ctx,
         threads=threads,
-        extra=["--threads-http", str(args.clients + 4), *extra],  # every client served at once
+        # every client served at once
+        extra=["--threads-http", str(args.clients + 4), *shlex.split(args.server_args), *extra],
         log=folder / "llama-server.log",
     ) as proc:
         yield proc.url
@@ -482,51 +488,69 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+# The runs in the order a round takes them (the next round in the other order).
+ORDER = ("serve", "stateless", "llama_server", "llama_server_trim", "serve_backend", "in_process")
+
+
 def one_round(
-    model: Path, args: argparse.Namespace, runs: set[str], folder: Path
+    model: Path,
+    args: argparse.Namespace,
+    runs: set[str],
+    folder: Path,
+    *,
+    backwards: bool = False,
 ) -> dict[str, Any]:
-    """Every run asked for, one after the other, each in a fresh folder and process."""
+    """Every run asked for, one after the other, each in a fresh folder and process;
+    ``backwards``: in the other order (on a machine whose cores slow down under a long load
+    the first run of a series is the fastest, so rounds alternate)."""
     results: dict[str, Any] = {"llama_server": None}
-    for name in ("serve", "stateless"):
-        if name not in runs:
-            continue
+    order = [name for name in (ORDER[::-1] if backwards else ORDER) if name in runs]
+    if args.llama_server is None:
+        order = [name for name in order if name not in LLAMA_SERVER_RUNS]
+    results["order"] = order
+    for name in order:
         (folder / name).mkdir()
         machine: dict[str, Any] = {}
-        with server(model, args, folder / name) as url, others_cores(machine):
-            results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
-        results[name] |= machine | {"load_average": load_average()}
-        print(name, results[name], flush=True)
-    for name in ("llama_server", "llama_server_trim", "serve_backend"):
-        if args.llama_server is None or name not in runs:
-            continue
-        (folder / name).mkdir()
-        machine = {}
-        with llama_server(model, args, folder / name) as direct, others_cores(machine):
-            before = prompt_tokens(direct)
-            if name == "serve_backend":
-                with server(model, args, folder / name, backend=direct) as url:
-                    results[name] = asyncio.run(http_load(url, args, stateful=True))
-            else:
-                results[name] = asyncio.run(
-                    http_load(
-                        direct, args, stateful=False, keepalive=False, trim=name.endswith("trim")
-                    )
-                )
-            evaluated = prompt_tokens(direct) - before  # the server's own counter
-        turns = results[name]["turns"] - results[name]["errors"]
-        results[name]["server_evaluated_per_turn"] = round(evaluated / max(turns, 1), 1)
-        results[name] |= machine | {"load_average": load_average()}
-        print(name, results[name], flush=True)
-    if "in_process" in runs:
-        os.environ["CHATCTX_HOME"] = str(folder / "inprocess-home")
-        machine = {}
         with others_cores(machine):
-            results["in_process"] = asyncio.run(in_process(model, args, folder))
-        results["in_process"] |= machine | {"load_average": load_average()}
-        print("in_process", results["in_process"], flush=True)
+            if name in LLAMA_SERVER_RUNS:
+                results[name] = llama_server_run(model, args, name, folder / name)
+            elif name == "in_process":
+                os.environ["CHATCTX_HOME"] = str(folder / name / "home")
+                results[name] = asyncio.run(in_process(model, args, folder / name))
+            else:
+                with server(model, args, folder / name) as url:
+                    results[name] = asyncio.run(http_load(url, args, stateful=name == "serve"))
+        results[name] |= machine | {"load_average": load_average()}
+        print(name, results[name], flush=True)
     results["ratios"] = ratios(results)
     print(json.dumps(results["ratios"], indent=2), flush=True)
     return results
+
+
+LLAMA_SERVER_RUNS = ("llama_server", "llama_server_trim", "serve_backend")
+
+
+def llama_server_run(
+    model: Path, args: argparse.Namespace, name: str, folder: Path
+) -> dict[str, Any]:
+    """One run on a fresh llama-server: its clients direct (``llama_server``, stateless;
+    ``llama_server_trim``, trimming) or through ``chatctx serve --backend``, with what the
+    server counted: tokens evaluated for prompts and generated, a turn."""
+    with llama_server(model, args, folder) as direct:
+        before = server_tokens(direct)
+        if name == "serve_backend":
+            with server(model, args, folder, backend=direct) as url:
+                result = asyncio.run(http_load(url, args, stateful=True))
+        else:
+            result = asyncio.run(
+                http_load(direct, args, stateful=False, keepalive=False, trim=name.endswith("trim"))
+            )
+        after = server_tokens(direct)
+    turns = max(result["turns"] - result["errors"], 1)
+    evaluated, generated = (a - b for a, b in zip(after, before, strict=True))
+    result["server_evaluated_per_turn"] = round(evaluated / turns, 1)
+    result["server_generated_per_turn"] = round(generated / turns, 1)
+    return result
 
 
 def main() -> None:
@@ -547,6 +571,11 @@ def main() -> None:
         help="which runs (also llama_server_trim, serve_backend)",
     )
     parser.add_argument("--threads", type=int, default=None, help="llama-server -t")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help='more llama-server options, for every run on it (e.g. "--poll 0")',
+    )
     parser.add_argument(
         "--chat",
         choices=("short", "long"),
@@ -579,7 +608,7 @@ def main() -> None:
         for number in range(args.rounds):
             folder = Path(tmp) / f"round{number}"
             folder.mkdir()
-            rounds.append(one_round(model, args, runs, folder))
+            rounds.append(one_round(model, args, runs, folder, backwards=number % 2 == 1))
     results |= rounds[-1]  # the last round's runs and ratios at the top, as with one round
     if len(rounds) > 1:
         results["rounds"] = rounds
