@@ -333,8 +333,10 @@ class Backend(Protocol):
 
     def cancel_side(self, cancel: threading.Event) -> None: ...
 
-    def kv_usage(self) -> dict[int, int]:
-        """Cells (tokens) each sequence holds now."""
+    def kv_usage(self, *, known: bool = False) -> dict[int, int]:
+        """Cells (tokens) each sequence holds now. ``known``: as far as this process knows
+        without asking anyone (a remote server's slots as chatctx last sent and received
+        them): what a turn's record reads, so that a turn waits for no round trip."""
         ...
 
     def clear(self, seq_id: int | None = None) -> None:

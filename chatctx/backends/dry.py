@@ -190,7 +190,7 @@ class DryBackend(PooledLeases, Closeable):
         with self._lock:
             return tuple(self._mirror[seq_id])
 
-    def kv_usage(self) -> dict[int, int]:
+    def kv_usage(self, *, known: bool = False) -> dict[int, int]:
         with self._lock:
             return {seq: len(tokens) for seq, tokens in self._mirror.items()}
 

@@ -571,13 +571,13 @@ class Router(Closeable):
         else:
             cancel.set()
 
-    def kv_usage(self) -> dict[int, int]:
+    def kv_usage(self, *, known: bool = False) -> dict[int, int]:
         usage: dict[int, int] = {}
         for index, state in enumerate(self._states):
             if state.down is not None or state.backend.closed:
                 continue
             with contextlib.suppress(BackendUnavailable):
-                for seq, cells in state.backend.kv_usage().items():
+                for seq, cells in state.backend.kv_usage(known=known).items():
                     usage[index * SEQ_STRIDE + seq] = cells
         return usage
 

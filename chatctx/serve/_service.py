@@ -197,8 +197,8 @@ class OwnedAs:
     def cancel_side(self, cancel: threading.Event) -> None:
         self.inner.cancel_side(cancel)
 
-    def kv_usage(self) -> dict[int, int]:
-        return self.inner.kv_usage()
+    def kv_usage(self, *, known: bool = False) -> dict[int, int]:
+        return self.inner.kv_usage(known=known)
 
     def clear(self, seq_id: int | None = None) -> None:
         self.inner.clear(seq_id)

@@ -160,13 +160,13 @@ def request_timings(
 def _gauges(
     engine: Backend, conversation_id: str
 ) -> tuple[dict[str, int] | None, MemorySnapshot | None]:
-    """The cache's cells per sequence and the memory figures for a turn record; None where
-    the backend cannot tell (a server refusing ``/slots``): a reply is stored without them,
-    never lost for them."""
+    """The cache's cells per sequence (as the backend knows them without a round trip) and
+    the memory figures for a turn record; None where the backend cannot tell: a reply is
+    stored without them, never lost for them."""
     if engine.closed:
         return None, None
     try:
-        cells = {str(seq): n for seq, n in engine.kv_usage().items()}
+        cells = {str(seq): n for seq, n in engine.kv_usage(known=True).items()}
     except ChatctxError as exc:
         logger.warning("cache cells of %s not read: %s", conversation_id, exc)
         cells = None

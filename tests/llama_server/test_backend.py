@@ -145,6 +145,8 @@ def test_figures_come_from_the_server(
         s for s in httpx.get(f"{server.url}/slots", timeout=30).json() if s["id"] == lease.seq_id
     )
     assert backend.kv_usage()[lease.seq_id] == slot["n_prompt_tokens"] > len(prompt) - 1
+    # What chatctx knows the slot holds, with no request: the same.
+    assert backend.kv_usage(known=True)[lease.seq_id] == slot["n_prompt_tokens"]
     # It holds the prompt and the reply, less the last token sampled unless that was the
     # end of generation (not counted as a reply token, never evaluated).
     held = len(prompt) + len(again.tokens) - (0 if again.stop_reason == "eog" else 1)

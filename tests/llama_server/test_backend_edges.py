@@ -147,9 +147,13 @@ def test_a_refused_slots_endpoint_keeps_the_reply(fresh: LlamaServerBackend, db_
         db_url, conversation_id="slots-refused", backend=fresh, settings=SHORT
     ) as chat:
         reply = chat.send("Say hello.")
-    assert transport.refused >= 1
     assert reply.text
-    assert fresh.kv_usage() == {}  # nothing read yet: no figures
+    # The turn's record never asks /slots: its cells are those chatctx sent and received.
+    assert transport.refused == 0
+    assert reply.turn is not None and reply.turn.cells_used is not None
+    assert reply.turn.cells_used[str(reply.turn.seq_id)] >= reply.usage.prompt_tokens
+    assert fresh.kv_usage() == {}  # a read refused, nothing read before: no figures
+    assert transport.refused == 1
     with Store(db_url) as store:
         messages = store.messages("slots-refused")
     assert [(m.role, m.content) for m in messages] == [

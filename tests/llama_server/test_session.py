@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -21,8 +22,19 @@ GREEDY = GenerationSettings(max_tokens=16, temperature=0.0, repeat_penalty=1.0)
 
 
 def test_send_stream_and_the_turn_record(
-    backend: LlamaServerBackend, server: LlamaServerProcess, db_url: str
+    backend: LlamaServerBackend,
+    server: LlamaServerProcess,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    asked: list[str] = []  # the paths chatctx read from the server
+    get = backend._get
+
+    def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+        asked.append(path)
+        return get(path, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "_get", counted)
     with ChatSession.open(
         db_url, conversation_id="e2e", backend=backend, system_prompt="Be brief.", settings=GREEDY
     ) as chat:
@@ -41,6 +53,9 @@ def test_send_stream_and_the_turn_record(
     assert turn.cells_used is not None
     slots = {s["id"]: s for s in httpx.get(f"{server.url}/slots", timeout=30).json()}
     assert turn.cells_used[str(turn.seq_id)] == slots[turn.seq_id]["n_prompt_tokens"]
+    # ... known without asking: a turn waits for no GET /slots (the server's loop answers it
+    # between two of its steps, the slot held idle meanwhile).
+    assert "/slots" not in asked
     assert turn.prefill_ms is not None and turn.ttft_ms is not None and turn.ttft_ms > 0
     with Store(db_url) as store:
         stored = store.messages("e2e")

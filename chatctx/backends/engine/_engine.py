@@ -417,8 +417,8 @@ class Engine(PooledLeases, Closeable):
             lo, hi = self.context.seq_pos_min(seq_id), self.context.seq_pos_max(seq_id)
             return 0 if hi < 0 else hi - lo + 1
 
-    def kv_usage(self) -> dict[int, int]:
-        """Cells used by every sequence, read from llama.cpp."""
+    def kv_usage(self, *, known: bool = False) -> dict[int, int]:
+        """Cells used by every sequence, read from llama.cpp (in this process: known)."""
         with self._locked():
             return {seq: self.kv_cells(seq) for seq in range(self.config.n_seq_max)}
 

@@ -365,13 +365,20 @@ class LlamaServerBackend(SlotFiles, PooledLeases, Closeable):
         slot = self.pool.slot_of(conversation)
         return None if slot is None else slot.seq_id
 
-    def kv_usage(self) -> dict[int, int]:
+    def kv_usage(self, *, known: bool = False) -> dict[int, int]:
         """Tokens each server slot holds (``GET /slots``: ``n_prompt_tokens``).
 
-        Best effort: a server that cannot answer (within ``HEALTH_TIMEOUT_S``: a turn's
-        record waits for it) gives the last figures read (logged), so that a turn's record is
-        still stored when the server died under it.
+        ``known``: the tokens chatctx sent to each slot and received from it (the mirror
+        ``generate`` plans cache reuse with; equal to ``n_prompt_tokens`` once a generation
+        has ended), no request made. A turn's record reads these: ``GET /slots`` waits for
+        the server's loop to finish its step, a slot held idle meanwhile.
+
+        Otherwise best effort: a server that cannot answer (within ``HEALTH_TIMEOUT_S``)
+        gives the last figures read (logged).
         """
+        if known:
+            with self._lock:
+                return {seq: len(tokens) for seq, tokens in self._mirror.items()}
         try:
             slots = self._get("/slots", "reading /slots", timeout=HEALTH_TIMEOUT_S)
         except ChatctxError as exc:  # down, or /slots refused (a proxy, a build without it)
