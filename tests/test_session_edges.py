@@ -22,6 +22,7 @@ from chatctx import ChatSession, ConfigError, Engine, StoreError
 from chatctx.backends.engine._instance import live_directories
 from chatctx.context import BackgroundSummarizer
 from chatctx.monitor import engines_dir
+from chatctx.session._context import ConversationContext
 from chatctx.store import Store
 
 LONG = {"max_tokens": 300, "temperature": 0.0, "repeat_penalty": 1.0}
@@ -276,7 +277,10 @@ def test_waiting_for_a_slot_ends_when_the_session_closes(
 ) -> None:
     with Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as engine:
         held = engine.lease("someone else")
-        chat = ChatSession.open(db_url, conversation_id="c", model=engine)
+        # Room for a prompt: the turn builds its context while in line, then waits.
+        chat = ChatSession.open(
+            db_url, conversation_id="c", model=engine, settings={"max_tokens": 16}
+        )
         outcome: list[BaseException] = []
         waiter = threading.Thread(
             target=lambda: _catch(outcome, lambda: chat.send("hi")), daemon=True
@@ -375,3 +379,93 @@ def test_a_plan_between_a_turns_build_and_its_save_does_not_hide_another_writer(
         # ... and the other writer's summary was built on, not overwritten.
         summary = chat.store.context_state(cid).summary
         assert summary is not None and "FOREIGN-1" in summary.content
+
+
+def _timed_builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
+    """(start, end) of every context build, on the test's clock."""
+    builds: list[tuple[float, float]] = []
+    build = ConversationContext.build
+
+    def timed(self: ConversationContext, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            builds.append((started, time.perf_counter()))
+
+    monkeypatch.setattr(ConversationContext, "build", timed)
+    return builds
+
+
+def _wait_in_line(engine: Engine, waiting: int) -> float:
+    """When ``waiting`` turns are in the pool's line and waiting (not away building)."""
+    deadline = time.monotonic() + 20
+    while sum(w.away_until is None for w in engine.pool._line) < waiting:
+        assert time.monotonic() < deadline, "the turn never waited in line"
+        time.sleep(0.002)
+    return time.perf_counter()
+
+
+def test_a_turn_builds_its_context_while_it_waits_for_a_slot(
+    db_url: str, tiny_llama3_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The oracle is the test's clock: the build must end while the slot is still held by
+    # someone else (the old order built only once the slot was leased: never, here).
+    builds = _timed_builds(monkeypatch)
+    with Engine.load(tiny_llama3_path, n_ctx=256, slots=1) as engine:
+        engine.codec(), engine.embedder()  # loaded ahead, as a server does (``warm_up``)
+        held = engine.lease("someone else")
+        chat = ChatSession.open(
+            db_url, conversation_id="c", model=engine, settings={"max_tokens": 4}
+        )
+        replies: list[Any] = []
+        asking = threading.Thread(target=lambda: replies.append(chat.send("hi")), daemon=True)
+        asking.start()
+        seen = _wait_in_line(engine, 1)
+        deadline = time.monotonic() + 20
+        while not builds:
+            assert time.monotonic() < deadline, "no build while the slot was held"
+            time.sleep(0.002)
+        time.sleep(0.2)
+        given_back = time.perf_counter()
+        engine.release(held)
+        asking.join(30)
+        chat.close()
+    (reply,) = replies
+    ((_, built),) = builds
+    assert built < given_back
+    assert reply.turn is not None and reply.turn.build_ms is not None
+    # The wait counts from the request to the lease, the build in line included.
+    assert reply.turn.queue_ms is not None and reply.turn.queue_ms >= (given_back - seen) * 1000
+    assert reply.turn.build_ms <= reply.turn.queue_ms
+
+
+def test_a_build_whose_summary_runs_on_the_slot_waits_for_it(
+    db_url: str, tiny_llama3_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No sequence for summaries (one sequence, all of it the slot): an LLM summary would
+    # run on the turn's own slot, so the build waits in line for it first.
+    builds = _timed_builds(monkeypatch)
+    with Engine.load(tiny_llama3_path, n_ctx=256, slots=1, n_seq_max=1) as engine:
+        assert engine.side_room == 0
+        engine.codec(), engine.embedder()  # loaded ahead: a build takes milliseconds
+        held = engine.lease("someone else")
+        chat = ChatSession.open(
+            db_url,
+            conversation_id="c",
+            model=engine,
+            settings={"max_tokens": 4},
+            context={"summarizer": "llm"},
+        )
+        replies: list[Any] = []
+        asking = threading.Thread(target=lambda: replies.append(chat.send("hi")), daemon=True)
+        asking.start()
+        _wait_in_line(engine, 1)
+        time.sleep(0.2)
+        given_back = time.perf_counter()
+        engine.release(held)
+        asking.join(30)
+        chat.close()
+    assert replies and len(builds) == 1
+    ((_, built),) = builds
+    assert built > given_back

@@ -25,7 +25,9 @@ __all__ = ["Lease", "SlotPool"]
 
 # A waiter whose lease timed out keeps its place in the line this long: a caller that polls
 # (``ChatSession`` asks again every half second, to notice a close) is not sent to the back
-# of the line each time, behind conversations that came after it.
+# of the line each time, behind conversations that came after it; nor is one that took its
+# place, then built its context. (A first build that loads the codec and the sentence
+# embedder takes longer on a small CPU: ``chatctx serve`` loads them before it is ready.)
 AWAY_S = 2.0
 # Between two of its calls (the moment a caller takes to ask again) a waiter still holds its
 # place: a slot freed in that moment waits for it, so polling never costs a turn. One that

@@ -168,6 +168,15 @@ class ConversationContext:
             cid, query, before_position=before, limit=limit, replies=True
         )
 
+    def summary_on_slot(self, settings: ContextSettings) -> bool:
+        """Whether a summary under ``settings`` runs on the turn's own slot: the model
+        writes it (no summarizer of the caller's) and there is no sequence for summaries."""
+        return (
+            self._custom_summarizer is None
+            and settings.summarizer == "llm"
+            and not self._side_sequence()
+        )
+
     def _side_sequence(self) -> bool:
         """Whether summaries can run on a sequence of their own (the engine's reserved one)."""
         return self.engine.side_room > 0
@@ -271,11 +280,14 @@ class ConversationContext:
         *,
         open_turn: tuple[int, Sequence[Mapping[str, Any]]] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        slot: Callable[[], object] | None = None,
     ) -> _Built:
         """The context for ``new_message``, with the settings it was built under (one read;
         ``sampling`` in place of the stored generation settings). ``open_turn``: the
         position of ``new_message`` when it is stored already, in a turn still open, and
-        the calls and results that follow it. ``tools``: the function tools offered."""
+        the calls and results that follow it. ``tools``: the function tools offered.
+        ``slot``: for a build that runs before the turn has its slot, called (to wait for
+        it) when a summary written now would run on that slot."""
         inputs = self.store.context_inputs(self.conversation_id)
         conversation, stored, history = inputs.conversation, inputs.state, inputs.history
         parsed = ConversationSettings.parse(conversation.settings)
@@ -294,6 +306,8 @@ class ConversationContext:
         if open_turn is not None:
             history = [m for m in history if m.position < open_turn[0]]
         budget, reserve = self._budget(context, generation)
+        if slot is not None and self.summary_on_slot(context):
+            slot()
         built = self._builder_for(context, budget).build(
             system_prompt=conversation.system_prompt,
             history=history,

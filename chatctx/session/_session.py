@@ -60,13 +60,16 @@ from chatctx.model.tools import (
 from chatctx.session._async import stream_in_thread
 from chatctx.session._context import ConversationContext, _Built, open_conversation
 from chatctx.session._tools import Ask, ToolOptions, ask_for, check_results, open_turn
-from chatctx.session._turn import Reply, TurnInFlight, store_turn
+from chatctx.session._turn import Reply, TurnClock, TurnInFlight, store_turn
 from chatctx.settings import ContextSettings, ConversationSettings, GenerationSettings, Settings
 from chatctx.store import Message, Store, Turn, TurnClaim
 
 logger = logging.getLogger("chatctx.session")
 
 LEASE_POLL_S = 0.5  # a turn waiting for a slot looks this often whether its session closed
+# A turn's first ask for a slot waits no longer: with none free it takes its place in line
+# and builds its context, then waits (a wait of 0 would be a mere try, leaving no place).
+PLACE_S = 0.001
 CLOSE_WAIT_S = 10.0  # close() waits this long for turns still being prepared
 STATE_ATTEMPTS = 3  # builds of a turn's context when another writer saves its state meanwhile
 MAX_FAILOVERS = 2  # a turn whose backend fails before its first token is retried this often
@@ -548,7 +551,7 @@ class ChatSession(Closeable):
         user: Message,
         result: GenerationResult,
         plan: ContextPlan,
-        clock: tuple[float, float, float, float],
+        clock: TurnClock,
         lease: Lease,
         *,
         store_reply: bool = True,
@@ -588,10 +591,29 @@ class ChatSession(Closeable):
             self._last_tools = list(ask.tools)
         try:
             self._claim(turn)
-            self._lease_slot(turn)
-            clock = (requested, time.perf_counter())
             self._turn_under_way.clear()
-            prepared = self._prepare_ask(turn, ask, sampling)
+            # The turn takes its place in line now and builds its context while it waits
+            # (a build needs no slot unless its summary runs there): no slot is held idle
+            # meanwhile, and turns still start in the order they came.
+            self._try_slot(turn)
+            leased = {"at": time.perf_counter()} if turn.lease is not None else {}
+
+            def slot() -> None:
+                if turn.lease is None:
+                    asked = time.perf_counter()
+                    self._lease_slot(turn)
+                    leased["at"] = time.perf_counter()
+                    leased["waited"] = leased["at"] - asked
+
+            building = time.perf_counter()
+            prepared = self._prepare_ask(turn, ask, sampling, slot=slot)
+            # The build's own time (a wait for the slot it needed aside); None: it ran on
+            # the slot, from the lease to the user message.
+            build_s = None
+            if "at" not in leased or "waited" in leased:
+                build_s = time.perf_counter() - building - leased.get("waited", 0.0)
+            slot()
+            clock = (requested, leased["at"], build_s)
             context = prepared.context
             # Sampling given with the turn is stored with its user message (one transaction).
             turn.settings = (
@@ -631,6 +653,17 @@ class ChatSession(Closeable):
 
         claim.take(check)
 
+    def _try_slot(self, turn: TurnInFlight) -> None:
+        """A slot for ``turn`` if one is free at once; else the turn's place in line (kept
+        by the pool while the caller is away for a moment, ``AWAY_S``)."""
+        self._check_open()
+        _check_cut(turn)
+        try:
+            lease = self.engine.lease(self.conversation_id, timeout=PLACE_S)
+        except DeadlineExceeded:
+            return
+        self._hand(turn, lease)
+
     def _lease_slot(self, turn: TurnInFlight) -> Lease:
         # In steps, so that a session closed (or a turn cut) meanwhile stops waiting.
         while True:
@@ -641,6 +674,11 @@ class ChatSession(Closeable):
             except DeadlineExceeded:
                 continue
             break
+        return self._hand(turn, lease)
+
+    def _hand(self, turn: TurnInFlight, lease: Lease) -> Lease:
+        """``lease`` becomes the turn's, unless the turn was ended meanwhile: then it goes
+        back and ``ClosedError`` is raised."""
         with self._turns_changed:  # against close() ending this turn meanwhile
             handed = not (self._closed or turn.released)
             if handed:
@@ -725,7 +763,7 @@ class ChatSession(Closeable):
             else [dict(m) for m in reply]
         )
         first_text = next((m["content"] for m in logged if m["role"] == "assistant"), "")
-        clock = (*leased, built_at, stored_at)
+        clock = TurnClock(*leased, built_at, stored_at)
         if logged and logged[0]["role"] == "assistant" and not logged[0].get("tool_calls"):
             stored = self._store_turn(
                 user, replace(result, text=logged[0]["content"]), built.plan, clock, lease
@@ -743,15 +781,21 @@ class ChatSession(Closeable):
         return stored
 
     def _prepare_ask(
-        self, turn: TurnInFlight, ask: Ask, sampling: GenerationSettings | None
+        self,
+        turn: TurnInFlight,
+        ask: Ask,
+        sampling: GenerationSettings | None,
+        *,
+        slot: Callable[[], object] | None = None,
     ) -> _Built:
         """``_prepare`` for a user message or the open turn's tool results (checked against
-        the calls waiting for them: the turn then continues on its stored user message)."""
+        the calls waiting for them: the turn then continues on its stored user message).
+        ``slot``: waits for the turn's slot, for a build that needs it (``_prepare``)."""
         if ask.by_name:
             fmt = self.engine.codec().tool_format
             turn.grammar = call_grammar(ask.by_name, fmt, ask.choice, parallel=ask.parallel)
         if ask.text is not None:
-            return self._prepare(ask.text, sampling, tools=ask.tools)
+            return self._prepare(ask.text, sampling, tools=ask.tools, slot=slot)
         self._check_open()
         waiting = open_turn(self.store.last_turn(self.conversation_id))
         check_results(
@@ -765,6 +809,7 @@ class ChatSession(Closeable):
             sampling,
             tools=ask.tools,
             open_turn=(waiting.user.position, rest),
+            slot=slot,
         )
 
     def _prepare(
@@ -774,14 +819,18 @@ class ChatSession(Closeable):
         *,
         tools: Sequence[Mapping[str, Any]] = (),
         open_turn: tuple[int, Sequence[Mapping[str, Any]]] | None = None,
+        slot: Callable[[], object] | None = None,
     ) -> _Built:
-        """Build the context for ``text`` and persist what the builder decided."""
+        """Build the context for ``text`` and persist what the builder decided. ``slot``:
+        for a build before the turn has its slot, waits for it where the build needs it."""
         self._check_open()
         if not text.strip():
             raise ConfigError("empty message")
         for attempt in range(1, STATE_ATTEMPTS + 1):
             # raises ContextBudgetError before anything is stored
-            prepared = self._context.build(text, sampling, open_turn=open_turn, tools=tools or None)
+            prepared = self._context.build(
+                text, sampling, open_turn=open_turn, tools=tools or None, slot=slot
+            )
             built = self.last_build = prepared.result
             plan = built.plan
             if not (
@@ -827,7 +876,7 @@ class ChatSession(Closeable):
         built: BuildResult,
         settings: GenerationSettings,
         eviction: str,
-        leased: tuple[float, float],
+        leased: tuple[float, float, float | None],
         replies: list[Reply] | None,
     ) -> Generator[str, None, None]:
         try:
@@ -847,7 +896,8 @@ class ChatSession(Closeable):
                         self.conversation_id, ask.result_messages(), settings=turn.settings
                     )
                 self.last_user = turn.user
-                turn.clock = (*leased, built_at, time.perf_counter())
+                requested, leased_at, build_s = leased
+                turn.clock = TurnClock(requested, leased_at, built_at, time.perf_counter(), build_s)
                 turn.plan = built.plan
                 turn.replies = replies
                 try:

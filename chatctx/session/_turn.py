@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from chatctx.backends.base import (
     Backend,
@@ -30,6 +30,19 @@ from chatctx.session._tools import Ask
 from chatctx.store import Message, Store, Turn, TurnClaim
 
 logger = logging.getLogger("chatctx.session")  # what a session logs about its turns
+
+
+class TurnClock(NamedTuple):
+    """``perf_counter()`` stamps of a turn for its record: asked for, its slot leased, its
+    context built (the user message about to be stored), the user message stored.
+    ``build_s``: the build's own time when it ran before the lease, in line; None when it
+    ran on the slot, between ``leased`` and ``built``."""
+
+    requested: float
+    leased: float
+    built: float
+    stored: float
+    build_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +76,7 @@ class TurnInFlight:
     user: Message | None = None
     stream: Stream | None = None
     plan: ContextPlan | None = None
-    clock: tuple[float, float, float, float] | None = None
+    clock: TurnClock | None = None
     replies: list[Reply] | None = None
     finished: bool = False  # its reply is stored (or there was none to store)
     released: bool = False  # its slot is given back
@@ -138,11 +151,10 @@ def turn_figures(
     }
 
 
-def request_timings(
-    result: GenerationResult, plan: ContextPlan, clock: tuple[float, float, float, float]
-) -> Timings:
-    """The engine's timings re-based on the request: TTFT and total count from it."""
-    requested, leased_at, built_at, stored_at = clock
+def request_timings(result: GenerationResult, plan: ContextPlan, clock: TurnClock) -> Timings:
+    """The engine's timings re-based on the request: TTFT and total count from it. The
+    wait for the slot counts from the request to the lease, a build in line included."""
+    requested, leased_at, built_at, stored_at, build_s = clock
     t = result.timings
     before_engine = (result.started_at - requested) * 1000 if result.started_at else 0.0
     return replace(
@@ -150,7 +162,7 @@ def request_timings(
         ttft_ms=before_engine + t.ttft_ms if t.ttft_ms is not None else None,
         total_ms=before_engine + t.total_ms,
         slot_ms=(leased_at - requested) * 1000,
-        build_ms=(built_at - leased_at) * 1000,
+        build_ms=(built_at - leased_at if build_s is None else build_s) * 1000,
         store_ms=(stored_at - built_at) * 1000,
         summary_ms=plan.summary_ms if plan.evicted or plan.summary_changed else 0.0,
         engine_ttft_ms=t.ttft_ms,
@@ -185,16 +197,15 @@ def store_turn(
     user: Message,
     result: GenerationResult,
     plan: ContextPlan,
-    clock: tuple[float, float, float, float],
+    clock: TurnClock,
     lease: Lease,
     *,
     store_reply: bool = True,
     meaning: MeaningSearch | None = None,
     parsed: ParsedReply | None = None,
 ) -> Reply:
-    """Store the reply and the turn's figures in one transaction. ``clock``: perf_counter()
-    stamps of the request, of the slot being leased, of the context being built and of the
-    user message being stored. ``meaning`` (recall by meaning) embeds the two messages
+    """Store the reply and the turn's figures in one transaction. ``clock``: the turn's
+    stamps (``TurnClock``). ``meaning`` (recall by meaning) embeds the two messages
     ahead of the searches that follow evictions. ``parsed``: the reply read for tool calls
     (stored as its content and calls, the record counting them); None, the text as it is.
 

@@ -83,7 +83,7 @@ class Turn:
     cells_used: dict[str, int] | None = None
     summary_tokens: int | None = None
     summary_ms: float | None = None
-    build_ms: float | None = None  # context building, summary included
+    build_ms: float | None = None  # context building, summary included (in line: in queue_ms)
     store_ms: float | None = None  # database writes before generation
     engine_ttft_ms: float | None = None  # from the engine's first step
     recall_tokens: int | None = None
@@ -92,7 +92,7 @@ class Turn:
     gpu_used_bytes: int | None = None
     gpu_free_bytes: int | None = None
     slot: int | None = None  # the pool slot the turn ran in
-    queue_ms: float | None = None  # waiting in line for a slot (a swap-in's restore excluded)
+    queue_ms: float | None = None  # request to lease: in line for a slot (a swap-in excluded)
     swap_in: str | None = None  # "ram" | "disk": the KV state was restored from a swap
     swap_in_ms: float | None = None
     swap_in_bytes: int | None = None

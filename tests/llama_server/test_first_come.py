@@ -24,6 +24,7 @@ import pytest
 from chatctx import ChatSession, Engine, Store
 from chatctx.backends.base import Lease
 from chatctx.backends.llama_server import LlamaServerBackend
+from chatctx.serve._service import warm_up
 from tests.llama_server.conftest import start_server
 
 CUSTOMERS = 12
@@ -73,6 +74,10 @@ def test_turns_start_in_the_order_customers_asked(
             started.append((got.ticket, conversation))
         return got
 
+    # What a server builds before it reports ready (``warm_up``): a turn builds its context
+    # while in line, and a first build that loads these would keep that customer away long
+    # enough for a freed slot to go to the next one (one away holds no one up).
+    warm_up(backend)
     holders = [backend.lease(f"holder-{n}") for n in range(2)]  # the slots, taken
     monkeypatch.setattr(backend, "lease", recording)
     queue_ms: dict[str, float | None] = {}
