@@ -64,7 +64,7 @@ from _sse import HTTPStatusError, SSEClient
 from chatctx.backends.engine import Engine
 from chatctx.monitor import percentile
 from chatctx.session import ChatSession
-from chatctx.settings import default_home
+from chatctx.settings import GenerationSettings, default_home
 from chatctx.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,6 +191,7 @@ async def http_load(
     stateful: bool,
     keepalive: bool = True,
     trim: bool = False,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``args.clients`` customers x ``args.turns`` streamed turns. Stateless, a refused turn
     (400) is an error the customer goes on after, or with ``trim`` is retried without the
@@ -211,7 +212,7 @@ async def http_load(
         history: list[dict[str, str]] = []
         for turn in range(args.turns):
             new = {"role": "user", "content": question(n, turn, args.chat)}
-            body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn}
+            body: dict[str, Any] = {"max_tokens": args.max_tokens, "seed": turn, **(sampling or {})}
             started = time.perf_counter()
             while True:
                 if stateful:
@@ -528,6 +529,10 @@ def one_round(
 
 
 LLAMA_SERVER_RUNS = ("llama_server", "llama_server_trim", "serve_backend")
+# Direct clients ask llama-server for chatctx's default sampling (the server's own defaults
+# differ: temperature 0.8, no repeat penalty), so that both ways sample alike and write
+# replies of about the same length (``server_generated_per_turn``).
+SAME_SAMPLING = GenerationSettings().model_dump(exclude={"max_tokens", "seed"})
 
 
 def llama_server_run(
@@ -537,13 +542,20 @@ def llama_server_run(
     ``llama_server_trim``, trimming) or through ``chatctx serve --backend``, with what the
     server counted: tokens evaluated for prompts and generated, a turn."""
     with llama_server(model, args, folder) as direct:
-        before = server_tokens(direct)
+        before = server_tokens(direct)  # llama-server's own counters
         if name == "serve_backend":
             with server(model, args, folder, backend=direct) as url:
                 result = asyncio.run(http_load(url, args, stateful=True))
         else:
             result = asyncio.run(
-                http_load(direct, args, stateful=False, keepalive=False, trim=name.endswith("trim"))
+                http_load(
+                    direct,
+                    args,
+                    stateful=False,
+                    keepalive=False,
+                    trim=name.endswith("trim"),
+                    sampling=SAME_SAMPLING,
+                )
             )
         after = server_tokens(direct)
     turns = max(result["turns"] - result["errors"], 1)
