@@ -491,6 +491,7 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
 
 # The runs in the order a round takes them (the next round in the other order).
 ORDER = ("serve", "stateless", "llama_server", "llama_server_trim", "serve_backend", "in_process")
+LLAMA_SERVER_RUNS = ("llama_server", "llama_server_trim", "serve_backend")
 
 
 def one_round(
@@ -528,7 +529,6 @@ def one_round(
     return results
 
 
-LLAMA_SERVER_RUNS = ("llama_server", "llama_server_trim", "serve_backend")
 # Direct clients ask llama-server for chatctx's default sampling (the server's own defaults
 # differ: temperature 0.8, no repeat penalty), so that both ways sample alike and write
 # replies of about the same length (``server_generated_per_turn``).

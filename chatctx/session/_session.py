@@ -595,25 +595,24 @@ class ChatSession(Closeable):
             # The turn takes its place in line now and builds its context while it waits
             # (a build needs no slot unless its summary runs there): no slot is held idle
             # meanwhile, and turns still start in the order they came.
-            self._try_slot(turn)
-            leased = {"at": time.perf_counter()} if turn.lease is not None else {}
+            self._ask_for_slot(turn, PLACE_S)
+            leased_at = waited = 0.0
 
-            def slot() -> None:
+            def slot() -> None:  # waits in line for the slot, once
+                nonlocal leased_at, waited
                 if turn.lease is None:
                     asked = time.perf_counter()
                     self._lease_slot(turn)
-                    leased["at"] = time.perf_counter()
-                    leased["waited"] = leased["at"] - asked
+                    leased_at = time.perf_counter()
+                    waited = leased_at - asked
 
+            if turn.lease is not None:
+                leased_at = time.perf_counter()
             building = time.perf_counter()
             prepared = self._prepare_ask(turn, ask, sampling, slot=slot)
-            # The build's own time (a wait for the slot it needed aside); None: it ran on
-            # the slot, from the lease to the user message.
-            build_s = None
-            if "at" not in leased or "waited" in leased:
-                build_s = time.perf_counter() - building - leased.get("waited", 0.0)
+            build_s = time.perf_counter() - building - waited  # a wait the build made aside
             slot()
-            clock = (requested, leased["at"], build_s)
+            clock = (requested, leased_at, build_s)
             context = prepared.context
             # Sampling given with the turn is stored with its user message (one transaction).
             turn.settings = (
@@ -653,27 +652,21 @@ class ChatSession(Closeable):
 
         claim.take(check)
 
-    def _try_slot(self, turn: TurnInFlight) -> None:
-        """A slot for ``turn`` if one is free at once; else the turn's place in line (kept
-        by the pool while the caller is away for a moment, ``AWAY_S``)."""
+    def _lease_slot(self, turn: TurnInFlight) -> Lease:
+        # In steps, so that a session closed (or a turn cut) meanwhile stops waiting.
+        while (lease := self._ask_for_slot(turn, LEASE_POLL_S)) is None:
+            pass
+        return lease
+
+    def _ask_for_slot(self, turn: TurnInFlight, timeout: float) -> Lease | None:
+        """The turn's slot if one comes within ``timeout``; else None, the turn keeping its
+        place in line while its caller is away for a moment (the pool's ``AWAY_S``)."""
         self._check_open()
         _check_cut(turn)
         try:
-            lease = self.engine.lease(self.conversation_id, timeout=PLACE_S)
+            lease = self.engine.lease(self.conversation_id, timeout=timeout)
         except DeadlineExceeded:
-            return
-        self._hand(turn, lease)
-
-    def _lease_slot(self, turn: TurnInFlight) -> Lease:
-        # In steps, so that a session closed (or a turn cut) meanwhile stops waiting.
-        while True:
-            self._check_open()
-            _check_cut(turn)
-            try:
-                lease = self.engine.lease(self.conversation_id, timeout=LEASE_POLL_S)
-            except DeadlineExceeded:
-                continue
-            break
+            return None
         return self._hand(turn, lease)
 
     def _hand(self, turn: TurnInFlight, lease: Lease) -> Lease:

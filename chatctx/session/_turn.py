@@ -35,8 +35,8 @@ logger = logging.getLogger("chatctx.session")  # what a session logs about its t
 class TurnClock(NamedTuple):
     """``perf_counter()`` stamps of a turn for its record: asked for, its slot leased, its
     context built (the user message about to be stored), the user message stored.
-    ``build_s``: the build's own time when it ran before the lease, in line; None when it
-    ran on the slot, between ``leased`` and ``built``."""
+    ``build_s``: the build's own time (it may run before the lease, in line); None: the
+    time between ``leased`` and ``built``."""
 
     requested: float
     leased: float
