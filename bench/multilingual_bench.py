@@ -3,6 +3,7 @@ several languages, kept in the prompt with the default settings?
 
     .venv/bin/python bench/multilingual_bench.py [--probes bench/facts/multilingual_eval.jsonl.gz]
         [--budgets 512,1024] [--embedder minilm|multilingual-e5-small|words] [--json]
+        [--misses]  # each ask lost, on a development set
 
 Dry replays (tokenizer and template only, no weights) of support chats
 written in Korean, Japanese, Chinese, Spanish and English, each with facts the customer said,
@@ -62,7 +63,17 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a context setting other than its default (repeatable), e.g. recall_budget=160",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--misses",
+        action="store_true",
+        help="list each ask whose fact the prompt lacked (the sets tuned on only)",
+    )
+    args = parser.parse_args(argv)
+    if args.misses and args.probes.resolve() == EVAL:
+        parser.error(
+            "--misses is for the sets tuned on: the eval set is frozen, never read ask by ask"
+        )
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         reports = []
         errors: list[str] = []
+        misses: list[dict[str, Any]] = []
         with Replayer(config, codec=codec) as replayer:
             for conversation, data in zip(conversations, raw, strict=True):
                 seen.clear()
@@ -121,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     new = probe["fact"].casefold() in text
                     old = probe.get("replaced")
                     stale = bool(old) and old.casefold() in text and not new
+                    if not new:
+                        misses.append({"id": data["id"], **probe, "stale": stale})
                     for key in ((data["lang"], probe["kind"]), (data["lang"], "all")):
                         row = rows[key]
                         row[0] += new
@@ -146,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "amplification": amplification,
                 "amplification_all": totals["prefill_amplification"],
                 "stopped": len(errors),
+                **({"misses": misses} if args.misses else {}),
                 "wall_s": wall,
                 "embedded": embedded,
                 "recall_turns": len(searched),
@@ -160,6 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if not args.json:
             _print(results[-1], sorted(by_lang))
+            for miss in misses if args.misses else []:
+                print(
+                    f"missed {miss['id']} turn {miss['asked_turn']} ({miss['kind']}"
+                    + (", stale" if miss["stale"] else "")
+                    + f"): {miss['fact']!r} of {miss['said']!r}"
+                )
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         print()

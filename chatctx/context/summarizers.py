@@ -25,6 +25,7 @@ from chatctx.context._facts import (
 )
 from chatctx.errors import SummaryError
 from chatctx.store import Message
+from chatctx.store.search import unspaced
 
 __all__ = [
     "ExtractiveSummarizer",
@@ -41,6 +42,9 @@ class Summarizer(Protocol):
 
 
 _MAX_SENTENCE_WORDS = 24  # a sentence kept for its identifiers, cut beyond this
+# Where a sentence's clauses part: a comma, semicolon or enumeration mark (an ASCII one only
+# before a space: "6,500" is one number).
+_CLAUSE_BREAK = re.compile(r"\s*(?:[\uff0c\uff1b\u3001]|[,;](?=\s))\s*")
 # A bare year goes on the Facts line but is no reason to keep its whole sentence.
 _YEAR = re.compile(r"(?:19|20)\d\d")
 # An item worth rewriting (re-evaluating) the summary for: an identifier or a strong statement.
@@ -55,7 +59,12 @@ CHANGE_SCORE = VALUE_SCORE  # what a value said anew adds to its sentence (``_ch
 RENEWED_SCORE = 4 * _SALIENT
 CHANGE_WINDOW = 32  # earlier items a new one is compared with (``_changes``): linear cost
 _ITEM_SEP = "; "
-_END_PUNCTUATION = re.compile(r"[^\w]+$")
+# What ends a line without saying anything: not a unit ("20%", "6,50 €", "₩5,000" keep
+# theirs) nor a closing bracket or quote.
+_END_PUNCTUATION = re.compile(
+    r"[^\w%\u2030$\u00a2-\u00a5\u20a0-\u20cf"  # percent, per mille, currency signs
+    r")\]}\uff09\u300d\u300f\u201d\u00bb]+$"  # closing brackets and quotes
+)
 
 # (score, order, label, text): one kept statement; consecutive items of one speaker share a
 # line, "User: a; b; c", which costs about two tokens less per item than a line each.
@@ -85,13 +94,13 @@ def _changes(earlier: Sequence[str], text: str) -> list[tuple[str, str]]:
 
 def _message_items(role: str, content: str) -> list[tuple[float, str, str]]:
     """(score, label, text) for each part of a message worth keeping: sentences holding
-    identifiers or values (either speaker's, in any language), and (from the user, in
-    English) first-person statements."""
+    identifiers or values (either speaker's, in any language; the clauses that hold them in
+    scripts without spaces), and (from the user, in English) first-person statements."""
     label = role.capitalize()
     texts = [
-        " ".join(sentence.split()[:_MAX_SENTENCE_WORDS])
+        " ".join(_valued_clauses(sentence).split()[:_MAX_SENTENCE_WORDS])
         for sentence in sentences(content)
-        if any(not _YEAR.fullmatch(found) for found in identifiers(sentence)) or values(sentence)
+        if _holds_values(sentence)
     ]
     if role == "user":
         texts += [
@@ -109,6 +118,22 @@ def _message_items(role: str, content: str) -> list[tuple[float, str, str]]:
         if text and score > 0:
             out.append((score, label, text))
     return out
+
+
+def _holds_values(text: str) -> bool:
+    return any(not _YEAR.fullmatch(found) for found in identifiers(text)) or bool(values(text))
+
+
+def _valued_clauses(sentence: str) -> str:
+    """In a script written without spaces between words (Chinese, Japanese; Korean joins its
+    endings on), where a cut at ``_MAX_SENTENCE_WORDS`` words leaves a long sentence whole,
+    the clauses of ``sentence`` that hold its identifiers or values, in order: what it is
+    kept for, without the advice around it. Elsewhere the sentence as it is."""
+    if not unspaced([sentence]):
+        return sentence
+    clauses = _CLAUSE_BREAK.split(sentence)
+    kept = [clause for clause in clauses if _holds_values(clause)]
+    return ", ".join(kept) if kept and len(kept) < len(clauses) else sentence
 
 
 def _changed_score(score: float, changes: Sequence[tuple[str, str]]) -> float:
@@ -162,7 +187,9 @@ class ExtractiveSummarizer:
     Each call appends a block to the previous summary: a ``Facts:`` line with the identifiers
     not yet in it (order and ticket numbers, models, amounts, e-mail addresses; compared as a
     parsed set, see ``fact_set``), then the best new items as ``Role: item; item`` lines:
-    sentences holding identifiers, and the user's first-person statements about durable things
+    sentences holding identifiers or small values (times, dates, amounts; in any language,
+    either speaker's; in scripts without spaces, the clauses that hold them), and the user's
+    first-person statements about durable things
     (allergies, names of people and pets, family, home, work, belongings and where they are,
     plans and dates, preferences, open requests), cut to the clause that says it. Other user
     sentences that name something specific, or speak about the user with content words, are
