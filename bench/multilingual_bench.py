@@ -103,10 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for budget in [int(b) for b in args.budgets.split(",")]:
         search = "words" if args.embedder == "words" else "meaning"
         changed = dict(item.split("=", 1) for item in args.set)
-        config = ReplayConfig(mode="dry", budget=budget, recall_search=search, **changed)
+        # Context fields flat: folded into ``context`` (``ReplayConfig``'s validator).
+        config = ReplayConfig.model_validate(
+            {"mode": "dry", "budget": budget, "recall_search": search, **changed}
+        )
         seen: list[list[dict[str, Any]]] = []  # the prompt (less the question) of each ask
 
-        def record(fact: str, messages: Sequence[dict[str, Any]], into: list = seen) -> bool:
+        def record(fact: str, messages: Sequence[dict[str, Any]], into: list[Any] = seen) -> bool:
             into.append(list(messages))
             return check(fact, messages)
 

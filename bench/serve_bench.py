@@ -102,7 +102,7 @@ def figures(
     order of ``ttfts``) split TTFT into the session's own (from its turn's start, slot wait
     included) and the rest (HTTP, the request's checks and writes, the worker thread, the
     first chunk's way out)."""
-    out = {
+    out: dict[str, Any] = {
         "turns": turns,
         "elapsed_s": round(elapsed, 2),
         "turns_per_s": round((turns - errors) / elapsed, 3),  # answered turns
