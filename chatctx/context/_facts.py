@@ -38,19 +38,25 @@ from chatctx.store.search import STOPWORDS, query_terms, unspaced
 FACTS_PREFIX = "Facts: "
 
 # Identifiers: order/ticket numbers and models (NH-48213, T-7781, AX3000, 4K55), #refs,
-# long numbers, amounts, e-mail addresses.
+# long numbers and account names holding one (sz31884206, 1500mAh), amounts with their
+# currency sign before or after ($49, 6,50 €), e-mail addresses.
 # Bounded by anything but a Latin letter or digit: in Chinese, Japanese or Korean an identifier
 # sits between letters of the sentence ("订单号是DM7720135946一共", "번호는A-4821이고").
 _IDENTIFIER = re.compile(
     r"(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
-    r"|#\d[A-Za-z0-9_-]*|\d{4,})(?![A-Za-z0-9_])"
-    r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![A-Za-z0-9À-ÿ._%+-])[A-Za-z0-9À-ÿ._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
+    r"|#\d[A-Za-z0-9_-]*|[A-Za-z]*\d{4,}[A-Za-z0-9_-]*)(?![A-Za-z0-9_])"
+    r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![\w.,])\d+(?:[,.]\d+)*\s?[$€£¥₩](?!\w)"
+    r"|(?<![A-Za-z0-9À-ÿ._%+-])[A-Za-z0-9À-ÿ._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
 )
 # Values written the same way in any language: times, dates, phone numbers and grouped amounts
-# (14:30, 3/14, 090-4418-2275, 38,000), and a number joined to a letter of a script other than
-# Latin, its unit ("38,000원", "10시", "3月14日", "5号"; one letter: the rest of the run is
-# the sentence). The longer of overlapping matches counts (``identifiers``).
-_VALUE = re.compile(r"\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|\d+(?![A-Za-z])[^\W\d_]")
+# (14:30, 3/14, 090-4418-2275, 38,000), sizes (10x10, 120×60), and a number joined to a
+# letter of a script other than Latin, its unit ("38,000원", "10시", "3月14日", "5号"; one
+# letter: the rest of the run is the sentence). The longer of overlapping matches counts
+# (``identifiers``).
+_VALUE = re.compile(
+    r"\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|\d+(?![A-Za-z])[^\W\d_]"
+    r"|(?<![\w.])\d+(?:[.,]\d+)?\s?[x\u00d7]\s?\d+(?:[.,]\d+)?(?![\w.])"  # sizes: 10x10, 2 × 1,5
+)
 # A name set off by quotation marks, in any script's ("el plan 'Óptimo'", 「らくらくパック」,
 # “居民峰谷分时电价”, «Plan Óptimo», '완전자차 프리미엄'); an ASCII apostrophe only where no
 # Latin letter touches it outside ("don't", "the kids' toys" hold none).
@@ -283,7 +289,7 @@ def value_keys(text: str) -> set[tuple[str, str]]:
     return {(shape, before[0]) for _, shape, before, _ in _valued(text) if before}
 
 
-def replaced(earlier: str, later: str) -> list[tuple[str, str]]:
+def replaced(earlier: str, later: str, *, nearest: bool = True) -> list[tuple[str, str]]:
     """(old, new) for each small value (``values``) of ``earlier`` that ``later`` gives
     anew: a different value of the same shape (``value_shape``) whose nearest word before
     it is the same ("매달 7일" then "매달 22일"; "下午5点" then "下午4点"); each new value
@@ -292,7 +298,12 @@ def replaced(earlier: str, later: str) -> list[tuple[str, str]]:
     replaces nothing. Identifiers are left out: a second order number or e-mail address is
     as often another one as a new one. It is a guess: two values of one kind named by the
     same word ("a las 9:00", "a las 18:00" for opening and closing) read as a change too, so
-    callers use it to keep and order text, never to tell the model a value is void."""
+    callers use it to keep and order text, never to tell the model a value is void.
+
+    With ``nearest`` False, words the two share nearby on the same side will do, whatever
+    the nearest word before ("상담은 오전 10시에 시작" then "상담은 오후 3시에 시작"; "配送は
+    午前10時に伺います" then "配送は午後3時に伺います"): a looser guess, for what only decides
+    which text to keep."""
     old = _valued(earlier)
     if not old:
         return []
@@ -301,14 +312,14 @@ def replaced(earlier: str, later: str) -> list[tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     taken: set[str] = set()
     for other, shape, before, after in new:
-        if not before:
+        if nearest and not before:
             continue
         shared, best = max(
             (
                 (len(set(before) & set(old_before)) + len(set(after) & set(old_after)), value)
                 for value, old_shape, old_before, old_after in old
                 if old_shape == shape
-                and old_before[:1] == before[:1]
+                and (not nearest or old_before[:1] == before[:1])
                 and value not in kept
                 and value not in taken
             ),
