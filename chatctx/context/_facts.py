@@ -289,7 +289,7 @@ def value_keys(text: str) -> set[tuple[str, str]]:
     return {(shape, before[0]) for _, shape, before, _ in _valued(text) if before}
 
 
-def replaced(earlier: str, later: str, *, nearest: bool = True) -> list[tuple[str, str]]:
+def replaced(earlier: str, later: str) -> list[tuple[str, str]]:
     """(old, new) for each small value (``values``) of ``earlier`` that ``later`` gives
     anew: a different value of the same shape (``value_shape``) whose nearest word before
     it is the same ("매달 7일" then "매달 22일"; "下午5点" then "下午4点"); each new value
@@ -298,12 +298,7 @@ def replaced(earlier: str, later: str, *, nearest: bool = True) -> list[tuple[st
     replaces nothing. Identifiers are left out: a second order number or e-mail address is
     as often another one as a new one. It is a guess: two values of one kind named by the
     same word ("a las 9:00", "a las 18:00" for opening and closing) read as a change too, so
-    callers use it to keep and order text, never to tell the model a value is void.
-
-    With ``nearest`` False, words the two share nearby on the same side will do, whatever
-    the nearest word before ("상담은 오전 10시에 시작" then "상담은 오후 3시에 시작"; "配送は
-    午前10時に伺います" then "配送は午後3時に伺います"): a looser guess, for what only decides
-    which text to keep."""
+    callers use it to keep and order text, never to tell the model a value is void."""
     old = _valued(earlier)
     if not old:
         return []
@@ -312,14 +307,14 @@ def replaced(earlier: str, later: str, *, nearest: bool = True) -> list[tuple[st
     pairs: list[tuple[str, str]] = []
     taken: set[str] = set()
     for other, shape, before, after in new:
-        if nearest and not before:
+        if not before:
             continue
         shared, best = max(
             (
                 (len(set(before) & set(old_before)) + len(set(after) & set(old_after)), value)
                 for value, old_shape, old_before, old_after in old
                 if old_shape == shape
-                and (not nearest or old_before[:1] == before[:1])
+                and old_before[:1] == before[:1]
                 and value not in kept
                 and value not in taken
             ),

@@ -83,12 +83,11 @@ def _item_score(text: str, label: str) -> float:
 
 
 def _changes(earlier: Sequence[str], text: str) -> list[tuple[str, str]]:
-    """(old, new) for the values ``text`` gives anew (``replaced``, by any word shared near
-    them: this only decides what to keep) that one of the last ``CHANGE_WINDOW`` of the
-    ``earlier`` items said: the latest first among several."""
+    """(old, new) for the values ``text`` gives anew (``replaced``) that one of the last
+    ``CHANGE_WINDOW`` of the ``earlier`` items said: the latest first among several."""
     found: dict[str, tuple[str, str]] = {}
     for before in reversed(earlier[-CHANGE_WINDOW:]):
-        for pair in replaced(before, text, nearest=False):
+        for pair in replaced(before, text):
             found.setdefault(pair[1], pair)
     return list(found.values())
 

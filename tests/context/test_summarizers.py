@@ -1,5 +1,3 @@
-import pytest
-
 from chatctx.context import ExtractiveSummarizer, LLMSummarizer
 from chatctx.model.codec import TiktokenCodec
 from chatctx.store import Message
@@ -112,10 +110,10 @@ def test_identifiers_and_values_are_found_inside_text_without_spaces() -> None:
     text = "ticket T-7781, $49 at 14:30 on 3/14; 2 cats"
     assert (identifiers(text), values(text)) == (["T-7781", "$49"], ["14:30", "3/14"])
     # An account name of lowercase letters on a long number, between letters of a sentence
-    # without spaces; a size written with an x or a times sign, in any language.
+    # without spaces; a size written with an x or a times sign, in any language; an amount
+    # with its currency sign after it, as much an amount as "$49".
     assert identifiers("给您开通的宽带账号是sz31884206，初始密码") == ["sz31884206"]
     assert values("el trastero de 5x10 o uno de 3 × 4") == ["5x10", "3 × 4"]
-    # An amount with its currency sign after it, as much an amount as "$49".
     assert identifiers("un suplemento de 6,50 € por noche") == ["6,50 €"]
     # Names set off by quotation marks in any script, and capitalized ones, outside English
     # (English chat quotes words in passing; its names come from its own rules).
@@ -162,13 +160,6 @@ def test_a_value_said_anew_is_found_by_its_shape_and_the_words_next_to_it() -> N
     assert replaced("The store opens at 9:00 daily", "The store closes at 21:00 daily") == []
     assert replaced("사과 3개 주세요", "배 5개 주세요") == []
     assert replaced("셔틀은 밤 10시까지 운행해요", "반납은 오전 11시까지 해 주세요") == []
-    # Where the nearest word differs ("오전" / "오후") only the looser reading pairs them, by the
-    # words they share beside it: what the summary uses to choose what to keep.
-    earlier, later = "상담은 오전 10시에 시작합니다.", "상담은 오후 3시에 시작합니다."
-    assert replaced(earlier, later) == []
-    assert replaced(earlier, later, nearest=False) == [("10시", "3시")]
-    # A guess all the same: two fruits pair by the ending they share ("주세요").
-    assert replaced("사과 3개 주세요", "배 5개 주세요", nearest=False) == [("3개", "5개")]
     # An address ends where Latin letters end, a long number where its digits do; an
     # identifier keeps its last character.
     assert identifiers("새 주소는mina.k@example.com으로 해 주세요") == ["mina.k@example.com"]
@@ -201,14 +192,13 @@ def test_the_summary_keeps_a_changed_value_after_the_old_one(
     assert summary.rfind("5일에") < summary.find("25일")
 
 
-IDS = ("MB-20417", "OR-55102", "CS-24-0871", "T-7781")
-
-
-def _full_summary(summarize: ExtractiveSummarizer, role: str, first: str) -> str:
-    """The summary of ``first`` and two messages of identifiers after it: full at 80 tokens."""
+def test_a_full_summary_is_rewritten_for_a_new_value_of_one_it_holds(
+    llama3_codec: TiktokenCodec,
+) -> None:
+    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=80)
     previous = None
     for message in msgs(
-        (role, first),
+        ("user", "정기 배송은 매달 5일에 받고 있어요."),
         (
             "assistant",
             "회원번호 MB-20417로 조회됩니다. 주문번호는 OR-55102이고 상품은 AX3000입니다.",
@@ -219,33 +209,16 @@ def _full_summary(summarize: ExtractiveSummarizer, role: str, first: str) -> str
         ),
     ):
         previous = summarize(previous, [message])
-    assert previous is not None
-    assert summarize.count(previous) > 80 - 10  # full: no new sentence fits after it
-    return previous
-
-
-@pytest.mark.parametrize(
-    ("role", "first", "old", "change", "new"),
-    [
-        ("user", "정기 배송은 매달 5일에 받고 있어요.", "5일", "정기 배송은 매달 25일로", "25일"),
-        # "오전" then "오후": not the same word before the time, but the same words beside it.
-        ("assistant", "상담은 오전 10시에 시작합니다.", "10시", "상담은 오후 3시에 시작", "3시"),
-    ],
-    ids=["same word before", "another word before"],
-)
-def test_a_full_summary_is_rewritten_for_a_new_value_of_one_it_holds(
-    llama3_codec: TiktokenCodec, role: str, first: str, old: str, change: str, new: str
-) -> None:
-    summarize = ExtractiveSummarizer(llama3_codec.count, max_tokens=80)
-    previous = _full_summary(summarize, role, first)
-    assert old in previous
-    # A value said anew for one the summary holds: without it the summary would hold the
-    # old value alone, so it is rewritten, and the new value kept (all identifiers with it).
-    renewed = summarize(previous, msgs((role, f"아 그리고 {change}해 주세요.")))
-    assert new in renewed and llama3_codec.count(renewed) <= 80
-    assert all(i in renewed for i in IDS)
-    # A value the summary holds nothing of is no reason to rewrite it (its cached tokens stay).
+    assert previous is not None and "5일" in previous
+    assert llama3_codec.count(previous) > 80 - 10  # full: no new sentence fits after it
+    change = msgs(("user", "아 그리고 정기 배송은 이제 매달 25일로 바꿔 주세요."))
     other = msgs(("user", "주말 배송은 오후 3시쯤 받으면 좋겠어요."))
+    # A value said anew for one the summary holds: without it the summary would hold the
+    # old day alone, so it is rewritten, and the new day kept (all identifiers with it).
+    renewed = summarize(previous, change)
+    assert "25일" in renewed and llama3_codec.count(renewed) <= 80
+    assert all(i in renewed for i in ("MB-20417", "OR-55102", "CS-24-0871", "T-7781"))
+    # A value the summary holds nothing of is no reason to rewrite it (its cached tokens stay).
     assert summarize(previous, other) == previous
 
 
