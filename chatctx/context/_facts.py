@@ -42,11 +42,12 @@ FACTS_PREFIX = "Facts: "
 # currency sign before or after ($49, 6,50 €), e-mail addresses.
 # Bounded by anything but a Latin letter or digit: in Chinese, Japanese or Korean an identifier
 # sits between letters of the sentence ("订单号是DM7720135946一共", "번호는A-4821이고").
+# An e-mail address is tried first: "kim0815@..." is one address, not an account name.
 _IDENTIFIER = re.compile(
-    r"(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
+    r"(?<![A-Za-z0-9À-ÿ._%+-])[A-Za-z0-9À-ÿ._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
+    r"|(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
     r"|#\d[A-Za-z0-9_-]*|[A-Za-z]*\d{4,}[A-Za-z0-9_-]*)(?![A-Za-z0-9_])"
     r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![\w.,])\d+(?:[,.]\d+)*\s?[$€£¥₩](?!\w)"
-    r"|(?<![A-Za-z0-9À-ÿ._%+-])[A-Za-z0-9À-ÿ._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
 )
 # Values written the same way in any language: times, dates, phone numbers and grouped amounts
 # (14:30, 3/14, 090-4418-2275, 38,000), sizes (10x10, 120×60), and a number joined to a

@@ -163,6 +163,11 @@ def test_a_value_said_anew_is_found_by_its_shape_and_the_words_next_to_it() -> N
     # An address ends where Latin letters end, a long number where its digits do; an
     # identifier keeps its last character.
     assert identifiers("새 주소는mina.k@example.com으로 해 주세요") == ["mina.k@example.com"]
+    # An address whose name holds a long number or capitals is one address.
+    assert identifiers("mail kim0815@mail.example or JOE2024@x.org") == [
+        "kim0815@mail.example",
+        "JOE2024@x.org",
+    ]
     assert identifiers("换成15908632217了，谢谢") == ["15908632217"]
     text = "order A12345, ticket #12345, $12345, call 555-1234"
     assert identifiers(text) == ["A12345", "#12345", "$12345", "555-1234"]
