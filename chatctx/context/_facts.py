@@ -38,19 +38,26 @@ from chatctx.store.search import STOPWORDS, query_terms, unspaced
 FACTS_PREFIX = "Facts: "
 
 # Identifiers: order/ticket numbers and models (NH-48213, T-7781, AX3000, 4K55), #refs,
-# long numbers, amounts, e-mail addresses.
+# long numbers and account names holding one (sz31884206, 1500mAh), amounts with their
+# currency sign before or after ($49, 6,50 €), e-mail addresses.
 # Bounded by anything but a Latin letter or digit: in Chinese, Japanese or Korean an identifier
 # sits between letters of the sentence ("订单号是DM7720135946一共", "번호는A-4821이고").
+# An e-mail address is tried first: "kim0815@..." is one address, not an account name.
 _IDENTIFIER = re.compile(
-    r"(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
-    r"|#\d[A-Za-z0-9_-]*|\d{4,})(?![A-Za-z0-9_])"
-    r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![A-Za-z0-9À-ÿ._%+-])[A-Za-z0-9À-ÿ._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
+    r"(?<![A-Za-z0-9À-ÿ._%+-])[A-Za-z0-9À-ÿ._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?![A-Za-z0-9-])"
+    r"|(?<![A-Za-z0-9_])(?:[A-Z]{1,6}-?[A-Z]*\d[A-Za-z0-9_-]*|\d+[A-Z][A-Za-z0-9_-]*"
+    r"|#\d[A-Za-z0-9_-]*|[A-Za-z]+\d{4,}[A-Za-z0-9_-]*|\d{4,})(?![A-Za-z0-9_])"
+    r"|[$€£]\s?\d+(?:[,.]\d+)*|(?<![\w.,])\d+(?:[,.]\d+)*\s?[$€£¥₩](?!\w)"
 )
 # Values written the same way in any language: times, dates, phone numbers and grouped amounts
-# (14:30, 3/14, 090-4418-2275, 38,000), and a number joined to a letter of a script other than
-# Latin, its unit ("38,000원", "10시", "3月14日", "5号"; one letter: the rest of the run is
-# the sentence). The longer of overlapping matches counts (``identifiers``).
-_VALUE = re.compile(r"\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|\d+(?![A-Za-z])[^\W\d_]")
+# (14:30, 3/14, 090-4418-2275, 38,000), sizes (10x10, 120×60), and a number joined to a
+# letter of a script other than Latin, its unit ("38,000원", "10시", "3月14日", "5号"; one
+# letter: the rest of the run is the sentence). The longer of overlapping matches counts
+# (``identifiers``).
+_VALUE = re.compile(
+    r"\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|\d+(?![A-Za-z])[^\W\d_]"
+    r"|(?<![\w.])\d+(?:[.,]\d+)?\s?[x\u00d7]\s?\d+(?:[.,]\d+)?(?![\w.])"  # sizes: 10x10, 2 × 1,5
+)
 # A name set off by quotation marks, in any script's ("el plan 'Óptimo'", 「らくらくパック」,
 # “居民峰谷分时电价”, «Plan Óptimo», '완전자차 프리미엄'); an ASCII apostrophe only where no
 # Latin letter touches it outside ("don't", "the kids' toys" hold none).

@@ -109,6 +109,14 @@ def test_identifiers_and_values_are_found_inside_text_without_spaces() -> None:
     assert identifiers("連絡は090-4418-2275、機種はEW-M873Tです") == ["090-4418-2275", "EW-M873T"]
     text = "ticket T-7781, $49 at 14:30 on 3/14; 2 cats"
     assert (identifiers(text), values(text)) == (["T-7781", "$49"], ["14:30", "3/14"])
+    # An account name of lowercase letters on a long number, between letters of a sentence
+    # without spaces; a size written with an x or a times sign, in any language; an amount
+    # with its currency sign after it, as much an amount as "$49".
+    assert identifiers("给您开通的宽带账号是sz31884206，初始密码") == ["sz31884206"]
+    # Digits start no account name: a date cut short keeps no hyphen of its cut.
+    assert identifiers("firmware 2.1.4, 2022-01-") == ["2022-01"]
+    assert values("el trastero de 5x10 o uno de 3 × 4") == ["5x10", "3 × 4"]
+    assert identifiers("un suplemento de 6,50 € por noche") == ["6,50 €"]
     # Names set off by quotation marks in any script, and capitalized ones, outside English
     # (English chat quotes words in passing; its names come from its own rules).
     quoted = "「らくらくパック」と“居民峰谷分时电价”"
@@ -157,6 +165,11 @@ def test_a_value_said_anew_is_found_by_its_shape_and_the_words_next_to_it() -> N
     # An address ends where Latin letters end, a long number where its digits do; an
     # identifier keeps its last character.
     assert identifiers("새 주소는mina.k@example.com으로 해 주세요") == ["mina.k@example.com"]
+    # An address whose name holds a long number or capitals is one address.
+    assert identifiers("mail kim0815@mail.example or JOE2024@x.org") == [
+        "kim0815@mail.example",
+        "JOE2024@x.org",
+    ]
     assert identifiers("换成15908632217了，谢谢") == ["15908632217"]
     text = "order A12345, ticket #12345, $12345, call 555-1234"
     assert identifiers(text) == ["A12345", "#12345", "$12345", "555-1234"]
