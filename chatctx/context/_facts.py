@@ -55,7 +55,7 @@ _IDENTIFIER = re.compile(
 # letter: the rest of the run is the sentence). The longer of overlapping matches counts
 # (``identifiers``).
 _VALUE = re.compile(
-    r"\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|\d+(?![A-Za-z])[^\W\d_]"
+    r"(?<!\d)\d+(?:[-:/.,]\d+)+(?:(?![A-Za-z])[^\W\d_])?|(?<!\d)\d+(?![A-Za-z])[^\W\d_]"
     r"|(?<![\w.])\d+(?:[.,]\d+)?\s?[x\u00d7]\s?\d+(?:[.,]\d+)?(?![\w.])"  # sizes: 10x10, 2 × 1,5
 )
 # A name set off by quotation marks, in any script's ("el plan 'Óptimo'", 「らくらくパック」,
