@@ -305,19 +305,24 @@ def replaced(earlier: str, later: str) -> list[tuple[str, str]]:
         return []
     new = _valued(later)
     kept = {value for value, _, _, _ in new}
+    # The old values that can be replaced, by (shape, nearest word before), each written
+    # once: a text full of values is looked up, not scanned once per new value.
+    by_key: dict[tuple[str, str], dict[tuple[str, frozenset[str], frozenset[str]], None]] = {}
+    for value, shape, before, after in old:
+        if before and value not in kept:
+            entry = (value, frozenset(before), frozenset(after))
+            by_key.setdefault((shape, before[0]), {})[entry] = None
     pairs: list[tuple[str, str]] = []
     taken: set[str] = set()
     for other, shape, before, after in new:
         if not before:
             continue
+        near, next_to = set(before), set(after)
         shared, best = max(
             (
-                (len(set(before) & set(old_before)) + len(set(after) & set(old_after)), value)
-                for value, old_shape, old_before, old_after in old
-                if old_shape == shape
-                and old_before[:1] == before[:1]
-                and value not in kept
-                and value not in taken
+                (len(near & old_before) + len(next_to & old_after), value)
+                for value, old_before, old_after in by_key.get((shape, before[0]), ())
+                if value not in taken
             ),
             default=(0, ""),
         )
