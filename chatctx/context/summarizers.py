@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -57,6 +58,9 @@ CHANGE_SCORE = VALUE_SCORE  # what a value said anew adds to its sentence (``_ch
 # What an item giving anew a value the summary holds is worth at least: kept in a rewrite
 # before any other item of its length (two identifiers and a value score 7.5).
 RENEWED_SCORE = 4 * _SALIENT
+# What an item whose values later items give anew is still worth at least: ``replaced`` is a
+# guess, so it is kept where there is room.
+_STALE_SCORE = 0.5
 CHANGE_WINDOW = 32  # earlier items a new one is compared with (``_changes``): linear cost
 _ITEM_SEP = "; "
 # What ends a line without saying anything: not a unit ("20%", "6,50 €", "₩5,000" keep
@@ -144,14 +148,24 @@ def _changed_score(score: float, changes: Sequence[tuple[str, str]]) -> float:
 
 def _latest_first(items: Sequence[_Item]) -> list[_Item]:
     """The summary's ``items`` (in order, scored afresh from their text) rescored for
-    compaction: one that gives a value anew (``_changes``) is worth as much again as when it
-    was added."""
+    compaction so that the latest value wins: one that gives anew a value an earlier item
+    holds (``replaced``) is worth as much again as when it was added (``RENEWED_SCORE``),
+    and the earlier item ``CHANGE_SCORE`` less per later item that does (its value is the
+    old one), so a rewrite drops the old value before the new."""
     texts = [item[3] for item in items]
     out = list(items)
+    superseded: Counter[int] = Counter()  # index: later items giving its values anew
     for index, (score, order, label, text) in enumerate(items):
-        changes = _changes(texts[:index], text) if index else []
-        if changes:
-            out[index] = (_changed_score(score, changes), order, label, text)
+        older = [
+            at for at in range(max(0, index - CHANGE_WINDOW), index) if replaced(texts[at], text)
+        ]
+        if older:
+            changes = _changes(texts[:index], text)
+            out[index] = (max(_changed_score(score, changes), RENEWED_SCORE), order, label, text)
+            superseded.update(older)
+    for at, times in superseded.items():
+        score, order, label, text = items[at]
+        out[at] = (max(_STALE_SCORE, score - CHANGE_SCORE * times), order, label, text)
     return out
 
 

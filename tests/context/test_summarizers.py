@@ -1,4 +1,5 @@
 from chatctx.context import ExtractiveSummarizer, LLMSummarizer
+from chatctx.context._facts import fact_set
 from chatctx.model.codec import TiktokenCodec
 from chatctx.store import Message
 
@@ -312,3 +313,19 @@ def test_a_long_run_of_digits_or_values_is_read_in_one_pass() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_a_rewrite_drops_the_old_value_before_the_new(llama3_codec: TiktokenCodec) -> None:
+    count = llama3_codec.count
+    previous = (
+        "User: 사료는 매달 7일에 2kg씩 받고 있어요\n"
+        "Facts: MB-20417\n"
+        "Assistant: 회원번호 MB-20417로 조회됩니다\n"
+        "User: 아 그리고 제 월급날이 바뀌어서요 앞으로는 매달 22일에 받는 걸로 변경 부탁드려요"
+    )
+    news = msgs(("user", "주문번호는 OR-55102이고 쿠폰은 CP-3391이에요."))
+    # Two new identifiers force a rewrite with room for one of the two days: the later one
+    # stays (it gives the delivery day anew), the earlier goes, every identifier stays.
+    rewritten = ExtractiveSummarizer(count, max_tokens=count(previous) + 9)(previous, news)
+    assert "매달 22일" in rewritten and "매달 7일" not in rewritten
+    assert {"MB-20417", "OR-55102", "CP-3391"} <= fact_set(rewritten)
